@@ -1,0 +1,1 @@
+"""MultiMax models (DeiT, GPT), checkpoints and their command line (`python -m models`)."""
