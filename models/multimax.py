@@ -1,0 +1,137 @@
+"""MultiMax (Zhou, Fritz, Keuper, ICML 2024): softmax after a learned piecewise modulation.
+
+sigma(x) = x + ts[0]*relu(ranges[0]-x) + ts[1]*relu(x-ranges[1])
+             + ts[2]*relu(ranges[2]-x)**2 + ts[3]*relu(x-ranges[3])**2
+
+Parameter names (`ranges`, `ts`, and `t`, `b` for the "V2" variant) match the official code so that
+official state dicts load key for key. Paper notation: ts = [1-t_b1, t_d1-1, 1-t_b2, t_d2-1] and
+ranges = [b1, d1, b2, d2].
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Variant = Literal["second", "first", "v2"]
+VARIANTS: tuple[str, ...] = ("second", "first", "v2")
+
+# Paper Table 7 (DeiT-small, ImageNet) and Table 8 (6-layer LM, WikiText-103), one row per layer:
+# t_b1, t_d1, t_b2, t_d2, b1, d1, b2, d2.
+PAPER_TABLE_7: tuple[tuple[float, ...], ...] = (
+    (1.8347933, 2.815388, 0.9864913, 0.68440557, 1.185235, -1.208543, -2.1076407, 1.9158255),
+    (1.9773115, 1.9971638, 0.985555, 0.74650276, -0.8580209, 0.02481092, -0.49835142, 1.9772723),
+    (-1.1411996, 1.4711196, 1.9901285, 0.8758977, 0.18852632, 2.8039892, 2.9608543, 1.0462786),
+    (0.6694808, 1.206692, 1.8682657, 0.93786246, 3.4023566, -1.5490056, 2.500237, 0.986331),
+    (0.8902384, 1.5881691, 1.8920481, 0.72857785, 2.5070796, -1.1942928, 1.8854694, 1.2248528),
+    (0.6015882, 0.87738, 2.818536, 0.96271396, 2.6490533, 0.8454426, 1.6205754, 0.89434063),
+    (0.8023207, 1.2427123, 3.040797, 0.84531546, 2.6984618, 1.2127148, 1.2652112, 1.2134424),
+    (0.64486825, 0.79173684, 2.5263662, 0.968745, 3.0230901, 0.62191963, 1.6307493, 1.6259384),
+    (0.5796288, 0.6852025, 3.500835, 0.99119073, 2.675157, 0.68776745, 1.3239485, 1.5808712),
+    (0.54873073, 0.8240905, 3.5563424, 0.9692498, 2.176066, 0.39797062, 0.9276044, 1.5223614),
+    (0.38645744, 0.6951747, 4.0935583, 0.9958999, 1.6583583, 0.29572898, 0.77263904, 2.9975116),
+    (0.16383016, 0.25565386, 3.2074118, 0.99102634, 1.6852132, -0.04795134, 0.9796309, 2.1836245),
+)
+PAPER_TABLE_8: tuple[tuple[float, ...], ...] = (
+    (0.6467285, 0.7980957, 0.98324585, 0.9649048, 0.7475586, -0.87939453, 0.3395996, -0.14501953),
+    (0.69018555, 0.8063965, 0.98350525, 0.9720764, 0.25073242, 0.15991211, 0.2956543, -0.17687988),
+    (0.8557129, 0.79797363, 0.98939514, 0.9855194, -0.12609863, 0.06817627, 0.14794922, -0.14428711),
+    (0.9662781, 0.83569336, 1.0231781, 1.0240021, -0.07574463, 0.8510742, -0.13220215, 0.27368164),
+    (0.9260864, 0.9187622, 0.98670197, 1.039093, -0.5239258, 0.51416016, 0.23999023, 0.09521484),
+    (1.1514893, 1.152832, 0.98441315, 1.0156403, 0.1751709, 0.05374146, -0.13269043, -0.08825684),
+)
+
+
+def paper_row_to_params(row: tuple[float, ...]) -> tuple[list[float], list[float]]:
+    """Convert one paper table row (t_b1, t_d1, t_b2, t_d2, b1, d1, b2, d2) to (ranges, ts)."""
+    t_b1, t_d1, t_b2, t_d2, b1, d1, b2, d2 = row
+    return [b1, d1, b2, d2], [1 - t_b1, t_d1 - 1, 1 - t_b2, t_d2 - 1]
+
+
+def paper_params(layer: int, table: tuple[tuple[float, ...], ...] = PAPER_TABLE_7) -> tuple[list[float], list[float]]:
+    """Learned (ranges, ts) for `layer`; models deeper than the table reuse its last rows cyclically."""
+    return paper_row_to_params(table[layer % len(table)])
+
+
+def sigma(x: torch.Tensor, ranges: torch.Tensor, ts: torch.Tensor, order: int = 2) -> torch.Tensor:
+    """The modulation, term for term as the official `SeLU`; squares by multiplying (no Pow)."""
+    low1 = torch.relu(ranges[0] - x)
+    high1 = torch.relu(x - ranges[1])
+    out = x + ts[0] * low1 + ts[1] * high1
+    if order == 2:
+        low2 = torch.relu(ranges[2] - x)
+        high2 = torch.relu(x - ranges[3])
+        out = out + ts[2] * low2 * low2 + ts[3] * high2 * high2
+    return out
+
+
+def multimax(
+    x: torch.Tensor,
+    ranges: torch.Tensor,
+    ts: torch.Tensor,
+    order: int = 2,
+    mask: torch.Tensor | None = None,
+    dim: int = -1,
+) -> torch.Tensor:
+    """softmax(sigma(x) + mask): the additive mask comes AFTER the modulation.
+
+    Modulating a -inf (or finfo.min) mask would give inf*0 or inf-inf, i.e. NaN.
+    """
+    y = sigma(x, ranges, ts, order)
+    if mask is not None:
+        y = y + mask
+    return torch.softmax(y, dim=dim)
+
+
+class Modulation(nn.Module):
+    """Learned sigma with the official parameter names.
+
+    `variant`: "second" (official, eq. 6), "first" (eq. 4) or "v2" (x -> t*x + b, then first order;
+    only attention layers carry `t`/`b` in the official V2 code, so `affine` is separate).
+    """
+
+    def __init__(self, variant: Variant = "second", affine: bool | None = None, init_std: float = 0.02) -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown MultiMax variant {variant!r}; expected one of {VARIANTS}")
+        self.variant = variant
+        self.order = 2 if variant == "second" else 1
+        self.ranges = nn.Parameter(torch.zeros(4))
+        self.ts = nn.Parameter(torch.zeros(4))
+        nn.init.trunc_normal_(self.ranges, std=init_std)
+        nn.init.trunc_normal_(self.ts, std=init_std)
+        self.affine = variant == "v2" if affine is None else affine
+        if self.affine:
+            self.t = nn.Parameter(torch.tensor(1.0))
+            self.b = nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.affine:
+            x = self.t * x + self.b
+        return sigma(x, self.ranges, self.ts, self.order)
+
+    @torch.no_grad()
+    def set_params(self, ranges: list[float], ts: list[float]) -> None:
+        self.ranges.copy_(torch.tensor(ranges, dtype=self.ranges.dtype))
+        self.ts.copy_(torch.tensor(ts, dtype=self.ts.dtype))
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant}"
+
+
+def attention_probs(
+    scores: torch.Tensor, modulation: Modulation | None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention weights from raw scaled scores: modulate, then mask, then softmax.
+
+    Half-precision scores are normalised in fp32 (the exp-sum overflows fp16); fp32/fp64 stay as they are.
+    """
+    y = scores if modulation is None else modulation(scores)
+    if mask is not None:
+        y = y + mask
+    if y.dtype in (torch.float16, torch.bfloat16):
+        return F.softmax(y.float(), dim=-1).to(scores.dtype)
+    return F.softmax(y, dim=-1)
