@@ -1,0 +1,489 @@
+"""DeiT with MultiMax attention and output, with parameter names exactly as the official code.
+
+The official MultiMax DeiT (ZhouYuxuanYX/MultiMax, `vision_transformer.py`) has no class token,
+average-pools the tokens, has no qkv bias and puts `ranges`/`ts` directly on every Attention module
+and on the model (the output MultiMax, applied to the logits). Keeping the same names means an
+official state dict loads key for key; `adapt_checkpoint` only unwraps training checkpoints and
+infers the config. timm's softmax DeiT (class token, qkv bias, no MultiMax) loads through the same
+path with pool="token".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from models.loading import CheckpointError, load_exact, strip_prefixes
+from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, paper_params, paper_row_to_params, sigma
+
+Pool = Literal["avg", "token"]
+
+
+@dataclass
+class DeiTConfig:
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 384
+    depth: int = 12
+    num_heads: int = 6
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = False  # the official MultiMax Attention has none; timm DeiT has one
+    ln_eps: float = 1e-6  # DeiT builds its models with partial(nn.LayerNorm, eps=1e-6)
+    pool: Pool = "avg"  # "avg": official MultiMax (no class token); "token": timm DeiT class token
+    multimax_attention: bool = True
+    multimax_output: bool = True
+    variant: str = "second"  # models.multimax.VARIANTS
+
+    def __post_init__(self) -> None:
+        for name in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"DeiTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.img_size % self.patch_size:
+            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if self.pool not in ("avg", "token"):
+            raise ValueError(f"pool must be 'avg' or 'token', got {self.pool!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown MultiMax variant {self.variant!r}; expected one of {VARIANTS}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.img_size // self.patch_size) ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)  # timm's rounding
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> DeiTConfig:
+        if name not in DEIT_PRESETS:
+            raise ValueError(f"unknown DeiT preset {name!r}; known presets: {', '.join(DEIT_PRESETS)}")
+        return cls.from_dict({**DEIT_PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeiTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DeiTConfig field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+# MULTIMAX.md table; the rest (official layout: avg pool, no qkv bias, MultiMax on) are the defaults.
+DEIT_PRESETS: dict[str, dict[str, Any]] = {
+    "deit_tiny": dict(embed_dim=192, num_heads=3, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
+    "deit_small": dict(embed_dim=384, num_heads=6, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
+    "deit_base": dict(embed_dim=768, num_heads=12, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
+}
+
+
+def _add_multimax_params(module: nn.Module, affine: bool) -> None:
+    """Register `ranges`, `ts` (and V2's `t`, `b`) on `module` itself: the official key names."""
+    module.ranges = nn.Parameter(torch.zeros(4))
+    module.ts = nn.Parameter(torch.zeros(4))
+    nn.init.trunc_normal_(module.ranges, std=0.02)
+    nn.init.trunc_normal_(module.ts, std=0.02)
+    if affine:
+        module.t = nn.Parameter(torch.tensor(1.0))
+        module.b = nn.Parameter(torch.tensor(0.0))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config: DeiTConfig) -> None:
+        super().__init__()
+        p = config.patch_size
+        self.proj = nn.Conv2d(config.in_chans, config.embed_dim, kernel_size=p, stride=p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, C), patches in row-major order
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention; the MultiMax parameters sit on this module, as in the official code.
+
+    They are plain parameters rather than a `Modulation` child so that keys read `attn.ranges`, not
+    `attn.<child>.ranges`; the modulation itself is `models.multimax.sigma`.
+    """
+
+    def __init__(self, config: DeiTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=config.qkv_bias)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim)
+        self.multimax = config.multimax_attention
+        self.variant = config.variant
+        self.order = 2 if config.variant == "second" else 1
+        if self.multimax:
+            _add_multimax_params(self, affine=config.variant == "v2")
+
+    def modulate(self, scores: Tensor) -> Tensor:
+        if self.variant == "v2":
+            scores = self.t * scores + self.b
+        return sigma(scores, self.ranges, self.ts, self.order)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, H, N, D)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        if self.multimax:
+            scores = self.modulate(scores)
+        # Modulation is already applied; attention_probs adds the (absent) mask and does the fp32 softmax.
+        probs = attention_probs(scores, None, None)
+        return self.proj((probs @ v).transpose(1, 2).reshape(B, N, C))
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, multimax={self.multimax}, variant={self.variant}"
+
+
+class Mlp(nn.Module):
+    def __init__(self, config: DeiTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.embed_dim, config.mlp_hidden)
+        self.act = nn.GELU()  # exact erf form, as timm
+        self.fc2 = nn.Linear(config.mlp_hidden, config.embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DeiTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.embed_dim, eps=config.ln_eps)
+        self.attn = Attention(config)
+        self.norm2 = nn.LayerNorm(config.embed_dim, eps=config.ln_eps)
+        self.mlp = Mlp(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class DeiT(nn.Module):
+    def __init__(self, config: DeiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        C = config.embed_dim
+        self.patch_embed = PatchEmbed(config)
+        num_tokens = config.num_patches
+        if config.pool == "token":
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, C))
+            num_tokens += 1
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, C))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(C, eps=config.ln_eps)
+        self.head = nn.Linear(C, config.num_classes)
+        self._init_weights()
+        # Added after the generic init so that apply() cannot touch them (and as the official code does).
+        if config.multimax_output:
+            _add_multimax_params(self, affine=False)  # V2 keeps t/b in attention only
+        self.output_order = 2 if config.variant == "second" else 1
+
+    def _init_weights(self) -> None:
+        # timm ViT/DeiT: trunc_normal(.02) for tokens and Linear weights, zero biases, LayerNorm 1/0.
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.config.pool == "token":
+            nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """Pooled, normalised features (B, C): what the head reads."""
+        height, width = images.shape[-2:]
+        size = self.config.img_size
+        if height != size or width != size:
+            raise ValueError(f"input image size {height}x{width} does not match the model's {size}x{size}")
+        x = self.patch_embed(images)
+        if self.config.pool == "token":
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = x + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return x[:, 0] if self.config.pool == "token" else x.mean(1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        logits = self.head(self.forward_features(images))
+        if self.config.multimax_output:
+            # Official: the head's logits are modulated; the loss' softmax follows outside the model.
+            logits = sigma(logits, self.ranges, self.ts, self.output_order)
+        return logits
+
+
+@torch.no_grad()
+def set_paper_params(model: DeiT) -> DeiT:
+    """Load the paper's learned MultiMax values (Table 7, DeiT-small) into `model`.
+
+    Attention in layer i gets row i (cyclically past 12 layers). The paper lists no values for the
+    output MultiMax, so it gets the last row, the deepest layer's, the closest to the logits. V2's
+    `t`/`b` are left as they are (the paper has none; identity at init).
+    """
+    for i, block in enumerate(model.blocks):
+        if block.attn.multimax:
+            ranges, ts = paper_params(i, PAPER_TABLE_7)
+            block.attn.ranges.copy_(torch.tensor(ranges))
+            block.attn.ts.copy_(torch.tensor(ts))
+    if model.config.multimax_output:
+        ranges, ts = paper_row_to_params(PAPER_TABLE_7[-1])
+        model.ranges.copy_(torch.tensor(ranges))
+        model.ts.copy_(torch.tensor(ts))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Load hook: official MultiMax / timm DeiT checkpoints -> (DeiTConfig, clean state dict)
+
+
+def _get(args: Any, name: str) -> Any:
+    """Read a field of DeiT's saved `args`: argparse.Namespace, SimpleNamespace or (weights_only) dict."""
+    if args is None:
+        return None
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
+def _preset_from_model_name(model_name: Any) -> str | None:
+    """'deit_small_patch16_224' -> 'deit_small'. vit_* names are not mapped: their widths differ."""
+    if not isinstance(model_name, str):
+        return None
+    m = re.match(r"deit_(tiny|small|base)(?:_|$)", model_name)
+    return f"deit_{m.group(1)}" if m else None
+
+
+def _unwrap(obj: Any, use_ema: bool) -> tuple[Mapping[str, Any], str, Any, Any]:
+    """-> (state dict, which part it came from, saved args, epoch)."""
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(
+            f"not a DeiT checkpoint: expected a state dict or a training checkpoint dict, got {type(obj).__name__}"
+        )
+    if isinstance(obj.get("model"), Mapping):  # DeiT main.py: {'model', 'optimizer', ..., 'args'}
+        if use_ema:
+            if not isinstance(obj.get("model_ema"), Mapping):
+                raise CheckpointError("use_ema was asked for but the checkpoint has no 'model_ema' state dict")
+            return obj["model_ema"], "model_ema", obj.get("args"), obj.get("epoch")
+        return obj["model"], "model", obj.get("args"), obj.get("epoch")
+    if use_ema:
+        raise CheckpointError("use_ema was asked for but this is a raw state dict, not a training checkpoint")
+    return obj, "raw", None, None
+
+
+def _shape(sd: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = sd.get(key)
+    if not isinstance(value, Tensor):
+        raise CheckpointError(f"not a DeiT state dict: no tensor {key!r}")
+    return tuple(value.shape)
+
+
+def _block_indices(sd: Mapping[str, Any], suffix: str = "") -> set[int]:
+    pattern = re.compile(r"blocks\.(\d+)\." + re.escape(suffix) + ("$" if suffix else ""))
+    return {int(m.group(1)) for k in sd if (m := pattern.match(k))}
+
+
+def _expected_shapes(config: DeiTConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = DeiT(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_keys(config: DeiTConfig, sd: Mapping[str, Any]) -> None:
+    """Fail on the first key that does not fit, naming it and both shapes (before any allocation)."""
+    expected = _expected_shapes(config)
+    for key, shape in expected.items():
+        if key not in sd:
+            raise CheckpointError(f"checkpoint: missing key {key} (the model expects shape {shape})")
+    for key, value in sd.items():
+        if key not in expected:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise CheckpointError(f"checkpoint: unexpected key {key} with shape {got} (no such parameter)")
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"checkpoint: key {key} holds {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != expected[key]:
+            raise CheckpointError(
+                f"checkpoint: key {key} has shape {tuple(value.shape)}, the model expects {expected[key]}"
+            )
+
+
+def adapt_checkpoint(
+    obj: Any,
+    *,
+    preset: str | None = None,
+    num_heads: int | None = None,
+    ln_eps: float | None = None,
+    variant: str | None = None,
+    use_ema: bool = False,
+) -> tuple[DeiTConfig, dict[str, Tensor], dict[str, Any]]:
+    """Infer a DeiTConfig from an official MultiMax or timm DeiT checkpoint and clean its state dict.
+
+    Shapes give width, depth, patch, channels, image size, classes, MLP ratio, qkv bias, pooling and
+    where MultiMax sits; V2 is recognised by its `t` scalars ("first" vs "second" order cannot be seen
+    in the weights: pass `variant`). Head count and LayerNorm eps are not in the weights; they come
+    from the explicit arguments (`num_heads`, `ln_eps`, `preset`), else the checkpoint's saved `args`
+    (`num_heads`, or the preset its `model` names), else the preset of the same width.
+    """
+    raw, source, args, epoch = _unwrap(obj, use_ema)
+    sd = strip_prefixes(raw)
+    if "patch_embed.proj.weight" not in sd:
+        raise CheckpointError(
+            "not a DeiT state dict: no 'patch_embed.proj.weight' (keys start with "
+            f"{', '.join(list(sd)[:3]) or 'nothing'})"
+        )
+    if "dist_token" in sd or any(k.startswith("head_dist.") for k in sd):
+        raise CheckpointError("distilled DeiT (dist_token / head_dist) is not supported")
+
+    pw = _shape(sd, "patch_embed.proj.weight")
+    if len(pw) != 4 or pw[2] != pw[3]:
+        raise CheckpointError(f"patch_embed.proj.weight has shape {pw}; expected (C, in_chans, p, p)")
+    embed_dim, in_chans, patch_size = pw[0], pw[1], pw[2]
+
+    pool: Pool = "token" if "cls_token" in sd else "avg"
+    pos = _shape(sd, "pos_embed")
+    num_patches = pos[1] - (1 if pool == "token" else 0) if len(pos) == 3 else 0
+    grid = math.isqrt(max(num_patches, 0))
+    if len(pos) != 3 or grid * grid != num_patches or grid == 0:
+        raise CheckpointError(
+            f"pos_embed has shape {pos}; expected (1, {'1+' if pool == 'token' else ''}g*g, "
+            f"{embed_dim}) for a square patch grid"
+        )
+
+    num_classes = _shape(sd, "head.weight")[0]
+    depth = max(_block_indices(sd), default=-1) + 1
+    if depth == 0:
+        raise CheckpointError("not a DeiT state dict: no 'blocks.{i}.*' keys")
+    hidden = _shape(sd, "blocks.0.mlp.fc1.weight")[0]
+    mlp_ratio = hidden / embed_dim
+    if int(embed_dim * mlp_ratio) != hidden:
+        raise CheckpointError(f"MLP width {hidden} is not int({embed_dim} * ratio) for any ratio this model can use")
+
+    # MultiMax placement must be uniform: a partial set means a mangled or foreign checkpoint.
+    blocks = set(range(depth))
+    for suffix, what in (("attn.ranges", "attention MultiMax"), ("attn.t", "V2 scalars t/b")):
+        have = _block_indices(sd, suffix)
+        if have and have != blocks:
+            raise CheckpointError(
+                f"{what} ({suffix}) only in blocks {sorted(have)}; missing in blocks "
+                f"{sorted(blocks - have)}; expected all or none"
+            )
+    multimax_attention = bool(_block_indices(sd, "attn.ranges"))
+    multimax_output = "ranges" in sd
+    is_v2 = bool(_block_indices(sd, "attn.t"))
+    if variant is None:
+        variant = "v2" if is_v2 else "second"
+    elif variant not in VARIANTS:
+        raise CheckpointError(f"unknown MultiMax variant {variant!r}; expected one of {VARIANTS}")
+    elif (variant == "v2") != is_v2:
+        raise CheckpointError(
+            f"variant {variant!r} does not fit the checkpoint: it "
+            f"{'has' if is_v2 else 'has no'} V2 scalars blocks.{{i}}.attn.t/b"
+        )
+
+    # Head count and eps: explicit flags > the checkpoint's args > the preset of the same width.
+    def width_of(name: str) -> int:
+        return int(DEIT_PRESETS[name]["embed_dim"])
+
+    preset_name, preset_from = None, None
+    if preset is not None:
+        if preset not in DEIT_PRESETS:
+            raise CheckpointError(f"unknown DeiT preset {preset!r}; known presets: {', '.join(DEIT_PRESETS)}")
+        if width_of(preset) != embed_dim:
+            raise CheckpointError(
+                f"preset {preset} is {width_of(preset)} wide but the checkpoint is {embed_dim} "
+                "wide; pass num_heads (--num-heads) instead"
+            )
+        preset_name, preset_from = preset, "flag"
+    else:
+        # A saved model name of another width (e.g. a renamed run) is ignored rather than trusted.
+        named = _preset_from_model_name(_get(args, "model"))
+        if named is not None and width_of(named) == embed_dim:
+            preset_name, preset_from = named, "args"
+        else:
+            preset_name = next((n for n in DEIT_PRESETS if width_of(n) == embed_dim), None)
+            preset_from = "preset" if preset_name else None
+    preset_cfg = DEIT_PRESETS[preset_name] if preset_name else {}
+
+    if num_heads is not None:
+        heads, heads_from = int(num_heads), "flag"
+    elif _get(args, "num_heads") is not None:
+        heads, heads_from = int(_get(args, "num_heads")), "args"
+    elif preset_name is not None:
+        heads, heads_from = int(preset_cfg["num_heads"]), preset_from
+    else:
+        raise CheckpointError(
+            f"cannot tell the number of attention heads of a {embed_dim}-wide DeiT (no known "
+            "preset or saved args); pass num_heads (--num-heads)"
+        )
+    if heads < 1 or embed_dim % heads:
+        raise CheckpointError(f"num_heads {heads} (from {heads_from}) does not divide embed_dim {embed_dim}")
+    eps = next((float(e) for e in (ln_eps, _get(args, "ln_eps"), preset_cfg.get("ln_eps")) if e is not None), 1e-6)
+
+    config = DeiTConfig(
+        img_size=grid * patch_size,
+        patch_size=patch_size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=heads,
+        mlp_ratio=mlp_ratio,
+        qkv_bias="blocks.0.attn.qkv.bias" in sd,
+        ln_eps=eps,
+        pool=pool,
+        multimax_attention=multimax_attention,
+        multimax_output=multimax_output,
+        variant=variant,
+    )
+    _check_keys(config, sd)
+    info = {
+        "layout": "timm-deit" if pool == "token" else "official-multimax",
+        "source_keys": source,
+        "heads_from": heads_from,
+        "preset": preset_name,
+        "epoch": epoch,
+    }
+    return config, dict(sd), info
+
+
+def build_from_checkpoint(
+    obj: Any,
+    *,
+    preset: str | None = None,
+    num_heads: int | None = None,
+    ln_eps: float | None = None,
+    variant: str | None = None,
+    use_ema: bool = False,
+) -> tuple[DeiT, DeiTConfig, dict[str, Any]]:
+    """adapt_checkpoint + construct + exact load; the model is returned in eval mode."""
+    config, sd, info = adapt_checkpoint(
+        obj, preset=preset, num_heads=num_heads, ln_eps=ln_eps, variant=variant, use_ema=use_ema
+    )
+    model = DeiT(config)
+    load_exact(model, sd, source="checkpoint")
+    return model.eval(), config, info
