@@ -1,0 +1,482 @@
+"""A small decoder-only GPT whose attention and output softmax can be MultiMax.
+
+Shaped for serving: an explicit KV cache that is a plain list of (key, value) tensors per layer, so
+the same forward maps one to one onto ONNX inputs `past_key_values.{i}.key|value` and outputs
+`present.{i}.key|value`. Attention is written out (no F.scaled_dot_product_attention) because
+MultiMax has to modulate the raw scores before the mask is added.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .loading import CheckpointError, load_exact, strip_prefixes
+from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, attention_probs, paper_params
+from .tokenizer import ByteTokenizer
+
+KV = tuple[Tensor, Tensor]  # one layer's (key, value), each (B, n_head, length, head_dim)
+PastKeyValues = list[KV]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 259  # ByteTokenizer: 256 bytes + bos, eos, pad
+    block_size: int = 256  # maximum context (learned position table size)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: int = 4
+    bias: bool = True
+    ln_eps: float = 1e-5
+    multimax_attention: bool = True
+    multimax_output: bool = True
+    variant: str = "second"  # one of models.multimax.VARIANTS
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown MultiMax variant {self.variant!r}; expected one of {VARIANTS}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        if name not in GPT_PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; known presets: {', '.join(GPT_PRESETS)}")
+        return cls.from_dict({**GPT_PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+# Named shapes (overrides of the GPTConfig defaults). "gpt-lm-6" is the paper's WikiText-103 LM shape
+# (6 layers, 512 wide, 8 heads, FFN 2048), with learned positions and the byte vocabulary.
+GPT_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt-nano": dict(n_layer=2, n_head=2, n_embd=64, block_size=128),
+    "gpt-micro": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
+    "gpt-mini": dict(n_layer=6, n_head=6, n_embd=192, block_size=256),
+    "gpt-lm-6": dict(n_layer=6, n_head=8, n_embd=512, mlp_ratio=4, block_size=512),
+}
+
+
+@dataclass
+class KVCache:
+    """Per-layer (key, value), each (B, n_head, length, head_dim); what `GPT.forward` takes and returns."""
+
+    layers: PastKeyValues = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[2] if self.layers else 0
+
+    @classmethod
+    def empty(
+        cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device: Any = None
+    ) -> KVCache:
+        """Zero-length past: the prefill then runs the same code path as every decode step (and as ONNX)."""
+        shape = (batch_size, config.n_head, 0, config.head_dim)
+        return cls([
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.n_layer)
+        ])
+
+
+def _tracing() -> bool:
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def build_attention_mask(
+    q_len: int, past_len: int, attention_mask: Tensor | None, dtype: torch.dtype, device: Any
+) -> Tensor:
+    """Additive mask (1 or B, 1, q_len, past_len + q_len): 0 where allowed, finfo(dtype).min elsewhere.
+
+    finfo.min, not -inf: a row that is masked everywhere stays finite instead of turning into NaN.
+    """
+    total = past_len + q_len
+    q_pos = torch.arange(past_len, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    allowed = (k_pos <= q_pos)[None]
+    if attention_mask is not None:
+        # A padding query would see no key at all; letting it see itself keeps every row well defined
+        # (real queries never see padding, so their outputs do not change).
+        allowed = allowed & (attention_mask[:, None, :].bool() | (k_pos == q_pos)[None])
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.multimax = Modulation(config.variant) if config.multimax_attention else None
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        probs = self.attn_dropout(attention_probs(scores, self.multimax, mask))  # modulate, mask, softmax
+        y = (probs @ v).transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf) GELU
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.ln_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.ln_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+        a, present = self.attn(self.ln_1(x), mask, past)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), present
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.ln_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: the state dict carries both keys, one tensor
+        # Output MultiMax on the logits, like fairseq's decoder-level `ranges`/`ts`; V2 puts t/b on attention only.
+        self.multimax = Modulation(config.variant, affine=False) if config.multimax_output else None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer).
+
+        LayerNorm keeps ones/zeros and every `Modulation` keeps its own (official) initialisation.
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for proj in (block.attn.c_proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: PastKeyValues | None = None,
+    ) -> tuple[Tensor, PastKeyValues]:
+        """Logits (B, T, V) (after the output MultiMax, i.e. what softmax/cross-entropy take) and presents.
+
+        attention_mask: (B, past_len + T), 1 for real tokens, 0 for (left) padding.
+        past_key_values / presents: per layer (key, value) of shape (B, n_head, length, head_dim);
+        present = concat(past, new).
+        """
+        B, T = input_ids.shape
+        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        if not _tracing() and past_len + T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {past_len + T} tokens ({past_len} cached + {T} new) exceeds the context of "
+                f"{self.config.block_size}"
+            )
+        if position_ids is None:
+            if attention_mask is not None:
+                # Left-padded rows count positions from their first real token.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+            else:
+                position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None].expand(B, T)
+        dtype = self.wte.weight.dtype
+        mask = build_attention_mask(T, past_len, attention_mask, dtype, input_ids.device)
+
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        presents: PastKeyValues = []
+        for i, block in enumerate(self.blocks):
+            x, present = block(x, mask, past_key_values[i] if past_key_values else None)
+            presents.append(present)
+        logits = self.lm_head(self.ln_f(x))
+        if self.multimax is not None:
+            logits = self.multimax(logits)
+        return logits, presents
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state_dict: Mapping[str, Tensor],
+        config: GPTConfig | None = None,
+        base: GPTConfig | None = None,
+        source: str = "checkpoint",
+    ) -> GPT:
+        """Build a model for `state_dict` (config inferred from the weights unless given) and load it exactly."""
+        state_dict = adapt_state_dict(state_dict)
+        config = config or infer_config(state_dict, base)
+        model = cls(config)
+        load_exact(model, state_dict, source)
+        return model
+
+
+def multimax_modules(model: GPT) -> list[Modulation]:
+    """Attention MultiMax layers in depth order, then the output one (where present)."""
+    mods = [b.attn.multimax for b in model.blocks if b.attn.multimax is not None]
+    return mods + ([model.multimax] if model.multimax is not None else [])
+
+
+@torch.no_grad()
+def set_paper_params(model: GPT, table: tuple[tuple[float, ...], ...] = PAPER_TABLE_8) -> None:
+    """Give every MultiMax the learned parameters of the paper (default Table 8, the 6-layer LM).
+
+    Attention layer i gets `paper_params(i, table)` (rows reused cyclically beyond the table). The paper
+    reports no row for the output MultiMax, so it gets the table's LAST row (the deepest layer's).
+    V2's `t`/`b` are left at their init (1, 0).
+    """
+    for i, block in enumerate(model.blocks):
+        if block.attn.multimax is not None:
+            block.attn.multimax.set_params(*paper_params(i, table))
+    if model.multimax is not None:
+        model.multimax.set_params(*paper_params(len(table) - 1, table))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Load hook: raw state dicts (DDP / torch.compile wrapped) to a config and an exact load.
+
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
+
+
+def adapt_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Strip `module.` / `_orig_mod.` wrappers; restore the tied `lm_head.weight` if it was left out."""
+    sd = strip_prefixes(state_dict)
+    if "lm_head.weight" not in sd and "wte.weight" in sd:
+        sd["lm_head.weight"] = sd["wte.weight"]
+    return sd
+
+
+def infer_config(state_dict: Mapping[str, Tensor], base: GPTConfig | None = None) -> GPTConfig:
+    """Config from the weights: vocab, context, width, depth, MLP ratio, bias, MultiMax places and V2.
+
+    The weights do not hold n_head, ln_eps, dropout, nor first vs second order; those come from `base`,
+    else from the preset with the same depth and width (else n_head is an error).
+    """
+    sd = adapt_state_dict(state_dict)
+    for key in ("wte.weight", "wpe.weight", "blocks.0.mlp.fc.weight"):
+        if key not in sd:
+            raise CheckpointError(f"not a GPT state dict: key {key} is missing")
+    vocab_size, n_embd = sd["wte.weight"].shape
+    n_layer = 1 + max(int(m.group(1)) for k in sd if (m := _BLOCK_KEY.match(k)))
+    hidden = sd["blocks.0.mlp.fc.weight"].shape[0]
+    if hidden % n_embd:
+        raise CheckpointError(f"MLP width {hidden} is not a multiple of the embedding width {n_embd}")
+    inferred: dict[str, Any] = dict(
+        vocab_size=int(vocab_size),
+        block_size=int(sd["wpe.weight"].shape[0]),
+        n_embd=int(n_embd),
+        n_layer=n_layer,
+        mlp_ratio=hidden // n_embd,
+        bias="blocks.0.attn.c_attn.bias" in sd,
+        multimax_attention="blocks.0.attn.multimax.ranges" in sd,
+        multimax_output="multimax.ranges" in sd,
+    )
+    if any(k.endswith(".t") for k in sd):
+        inferred["variant"] = "v2"
+    if base is not None:
+        rest = {k: v for k, v in base.to_dict().items() if k not in inferred}
+    else:
+        same = [p for p in GPT_PRESETS.values() if (p["n_layer"], p["n_embd"]) == (n_layer, n_embd)]
+        if not same:
+            raise CheckpointError(
+                f"n_head is not stored in the weights and no preset has {n_layer} layers x {n_embd} wide; "
+                "pass base=GPTConfig(n_head=...)"
+            )
+        rest = {"n_head": same[0]["n_head"]}
+    try:
+        return GPTConfig.from_dict({**rest, **inferred})
+    except ValueError as e:
+        raise CheckpointError(f"cannot build a config for these weights: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling, step by step (a server calls sample_next / stop_match per decoded token).
+
+
+def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
+    """Keep the k largest logits per row (ties at the k-th value survive), -inf elsewhere."""
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """Nucleus: keep the smallest set of top tokens whose probability reaches top_p (the top one always)."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs >= top_p  # mass strictly above this token already suffices
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
+    """Stop sequences as UTF-8 bytes (empty ones dropped)."""
+    out = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in (stop or [])]
+    return [s for s in out if s]
+
+
+def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: ByteTokenizer) -> int | None:
+    """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None."""
+    if not stops:
+        return None
+    text = tokenizer.decode_bytes(tokens)
+    for s in stops:
+        if text.endswith(s):
+            cut = len(text) - len(s)
+            keep = len(tokens)
+            # Drop tokens until none of the stop's bytes remain (a token straddling the cut goes too).
+            while keep and len(tokenizer.decode_bytes(tokens[:keep])) > cut:
+                keep -= 1
+            return keep
+    return None
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask), both (B, longest): prompts right-aligned so new tokens line up."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, longest - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
+            mask[row, longest - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop: Sequence[str] | Sequence[bytes] | None = None,
+    seed: int | None = None,
+    eos_id: int | None = None,
+    tokenizer: ByteTokenizer | None = None,
+) -> list[list[int]]:
+    """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
+
+    A row ends at `eos_id` (not returned), at a stop sequence (removed from the output), after
+    max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
+    leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
+    """
+    prompts = [list(prompt_ids)] if not prompt_ids or isinstance(prompt_ids[0], int) else [list(p) for p in prompt_ids]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
+    cfg = model.config
+    longest = max(len(p) for p in prompts)
+    if longest > cfg.block_size:
+        raise ValueError(f"prompt of {longest} tokens does not fit the context of {cfg.block_size}")
+    budget = min(max_new_tokens, cfg.block_size - longest)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if budget <= 0:
+        return outputs
+
+    stops = stop_bytes(stop)
+    tokenizer = tokenizer or ByteTokenizer()
+    device, dtype = model.wte.weight.device, model.wte.weight.dtype
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    input_ids, attention_mask = left_pad(prompts, pad_id=0, device=device)  # pad id is masked, any id works
+    cache = KVCache.empty(cfg, len(prompts), dtype, device)
+    done = [False] * len(prompts)
+
+    was_training = model.training
+    model.eval()
+    try:
+        logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
+        for step in range(budget):
+            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            for row, tok in enumerate(next_ids.tolist()):
+                if done[row]:
+                    continue
+                if eos_id is not None and tok == eos_id:
+                    done[row] = True
+                    continue
+                outputs[row].append(tok)
+                keep = stop_match(outputs[row], stops, tokenizer)
+                if keep is not None:
+                    del outputs[row][keep:]
+                    done[row] = True
+            if all(done) or step == budget - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=1)
+            logits, cache.layers = model(
+                next_ids[:, None], attention_mask=attention_mask, past_key_values=cache.layers
+            )
+    finally:
+        model.train(was_training)
+    return outputs

@@ -1,0 +1,90 @@
+"""Byte-level tokenizer: ids 0..255 are raw UTF-8 bytes, then three special tokens.
+
+Bytes need no vocabulary file, cover every language and round-trip exactly, which is what a small
+demo language model and a server that must never fail to tokenize want.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+SPECIAL_TOKENS: dict[str, int] = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; `<|bos|>` 256, `<|eos|>` 257, `<|pad|>` 258."""
+
+    type = "byte"
+
+    def __init__(self) -> None:
+        self.special_tokens = dict(SPECIAL_TOKENS)
+        self._special_names = {i: name for name, i in self.special_tokens.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.special_tokens)
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_tokens["<|bos|>"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_tokens["<|eos|>"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_tokens["<|pad|>"]
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if bos else ids
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The raw bytes of `ids`, special tokens dropped (stop-sequence matching works on these)."""
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                out.append(i)
+            elif i not in self._special_names:
+                raise ValueError(f"token id {i} is outside the byte vocabulary (0..{self.vocab_size - 1})")
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        # A model can emit a byte sequence that is not valid UTF-8; replace rather than fail.
+        parts: list[str] = []
+        chunk = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                chunk.append(i)
+            elif i in self._special_names:
+                if not skip_special:
+                    parts.append(chunk.decode("utf-8", errors="replace"))
+                    parts.append(self._special_names[i])
+                    chunk = bytearray()
+            else:
+                raise ValueError(f"token id {i} is outside the byte vocabulary (0..{self.vocab_size - 1})")
+        parts.append(chunk.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "special_tokens": dict(self.special_tokens), "vocab_size": self.vocab_size}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ByteTokenizer:
+        kind = d.get("type")
+        if kind != cls.type:
+            raise ValueError(f"unknown tokenizer type {kind!r}; only {cls.type!r} is supported")
+        tok = cls()
+        specials = d.get("special_tokens", tok.special_tokens)
+        if dict(specials) != tok.special_tokens:
+            raise ValueError(f"byte tokenizer special tokens {dict(specials)} differ from {tok.special_tokens}")
+        if d.get("vocab_size", tok.vocab_size) != tok.vocab_size:
+            raise ValueError(f"byte tokenizer vocab_size {d.get('vocab_size')} differs from {tok.vocab_size}")
+        return tok
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size})"
