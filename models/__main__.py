@@ -1,0 +1,5 @@
+import sys
+
+from models.cli import main
+
+sys.exit(main())

@@ -1,0 +1,198 @@
+"""The project's checkpoint format, safe reading of any supported checkpoint, and model building.
+
+Format `multimax/1` is a plain dict readable with `torch.load(weights_only=True)`:
+    {"format": "multimax/1", "arch": "deit" | "gpt", "config": {...}, "state_dict": {...},
+     "labels": [...] | None, "preprocess": {...} | None, "tokenizer": {...} | None, "meta": {...}}
+Foreign layouts (official MultiMax DeiT, timm DeiT, DeiT training checkpoints) are adapted by the
+model's load hook. Every failure is a `CheckpointError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models import deit, gpt
+from models.loading import CheckpointError, load_exact
+
+FORMAT = "multimax/1"
+ARCHES = ("deit", "gpt")
+
+# timm/DeiT evaluation preprocessing: resize the shorter side to 224/0.875, center crop 224.
+IMAGENET_PREPROCESS: dict[str, Any] = {
+    "channels": "RGB",
+    "image_size": 224,
+    "resize": 256,
+    "interpolation": "bicubic",
+    "crop": "center",
+    "mean": [0.485, 0.456, 0.406],
+    "std": [0.229, 0.224, 0.225],
+}
+
+
+@dataclass
+class Checkpoint:
+    """What a served or exported model needs, whatever file it came from."""
+
+    arch: str
+    config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    labels: list[str] | None = None
+    preprocess: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "arch": self.arch,
+            "config": self.config,
+            "state_dict": self.state_dict,
+            "labels": self.labels,
+            "preprocess": self.preprocess,
+            "tokenizer": self.tokenizer,
+            "meta": self.meta,
+        }
+
+
+def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
+    """Write atomically: a temp file in the target directory, fsync, then rename over the target."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise CheckpointError(f"cannot write {path}: directory {directory} does not exist")
+    state = {k: v.detach().cpu().contiguous() for k, v in ckpt.state_dict.items()}
+    payload = ckpt.to_dict() | {"state_dict": state}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_file(path: str | os.PathLike[str]) -> Any:
+    """torch.load with weights_only=True, every failure turned into one clear line."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: empty file")
+    try:
+        # DeiT's training script stores its argparse.Namespace; building one runs no code.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            culprit = text.split("GLOBAL", 1)[1].split()[0] if "GLOBAL" in text else "a Python object"
+            raise CheckpointError(
+                f"{path}: refused: the pickle asks to construct {culprit}; checkpoints are loaded with "
+                "weights_only=True and may hold tensors and plain containers only"
+            ) from None
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint ({_first_line(text)})") from None
+    except Exception as exc:  # torch.load raises many types for damaged files; all mean "unusable"
+        text = _first_line(str(exc) or type(exc).__name__)
+        with open(path, "rb") as fh:
+            is_zip = fh.read(4) == b"PK\x03\x04"  # torch.save's container: damaged rather than foreign
+        if is_zip or isinstance(exc, EOFError):
+            raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({text})") from None
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint ({text})") from None
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unreadable"
+    return line[:200]
+
+
+def parse(obj: Any, source: str = "checkpoint", **hints: Any) -> tuple[Checkpoint, dict[str, Any]]:
+    """Turn what `read_file` returned into a Checkpoint plus a description of how it was read.
+
+    `hints` go to foreign-layout load hooks (num_heads, ln_eps, preset, variant, use_ema).
+    """
+    if isinstance(obj, dict) and "format" in obj:
+        return _parse_own(obj, source)
+    if isinstance(obj, dict) and obj and _looks_like_deit(obj):
+        config, state_dict, info = deit.adapt_checkpoint(obj, **{k: v for k, v in hints.items() if v is not None})
+        ckpt = Checkpoint(
+            arch="deit",
+            config=config.to_dict(),
+            state_dict=state_dict,
+            labels=None,
+            preprocess=IMAGENET_PREPROCESS | {"image_size": config.img_size, "resize": round(config.img_size / 0.875)},
+            meta={"source_layout": info.get("layout")},
+        )
+        return ckpt, {"format": info.get("layout", "deit"), **info}
+    if isinstance(obj, dict):
+        keys = ", ".join(list(map(str, obj))[:5])
+        raise CheckpointError(f"{source}: unknown checkpoint layout (top-level keys: {keys or 'none'})")
+    raise CheckpointError(f"{source}: holds a {type(obj).__name__}, not a checkpoint dict")
+
+
+def _looks_like_deit(obj: dict[str, Any]) -> bool:
+    for key in ("model", "model_ema", "state_dict"):
+        if isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    return any(str(k).endswith("patch_embed.proj.weight") for k in obj)
+
+
+def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, Any]]:
+    if obj.get("format") != FORMAT:
+        raise CheckpointError(f"{source}: unsupported format {obj.get('format')!r} (this version reads {FORMAT})")
+    arch = obj.get("arch")
+    if arch not in ARCHES:
+        raise CheckpointError(f"{source}: unknown architecture {arch!r} (known: {', '.join(ARCHES)})")
+    for key, kind in (("config", dict), ("state_dict", dict)):
+        if not isinstance(obj.get(key), kind):
+            raise CheckpointError(f"{source}: field {key!r} is missing or not a {kind.__name__}")
+    ckpt = Checkpoint(
+        arch=arch,
+        config=obj["config"],
+        state_dict=obj["state_dict"],
+        labels=obj.get("labels"),
+        preprocess=obj.get("preprocess"),
+        tokenizer=obj.get("tokenizer"),
+        meta=obj.get("meta") or {},
+    )
+    return ckpt, {"format": FORMAT}
+
+
+def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig:
+    cls = deit.DeiTConfig if ckpt.arch == "deit" else gpt.GPTConfig
+    try:
+        return cls.from_dict(ckpt.config)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"invalid {ckpt.arch} config: {exc}") from None
+
+
+def build_model(ckpt: Checkpoint, source: str = "checkpoint") -> nn.Module:
+    """Construct the model for `ckpt` and load every weight exactly; returns it in eval mode."""
+    config = config_of(ckpt)
+    model: nn.Module = deit.DeiT(config) if ckpt.arch == "deit" else gpt.GPT(config)  # type: ignore[arg-type]
+    load_exact(model, ckpt.state_dict, source)
+    return model.eval()
+
+
+def load(path: str | os.PathLike[str], **hints: Any) -> tuple[nn.Module, Checkpoint, dict[str, Any]]:
+    """Read any supported checkpoint file and return (model, checkpoint, how it was read)."""
+    ckpt, info = parse(read_file(path), str(path), **hints)
+    return build_model(ckpt, str(path)), ckpt, info

@@ -1,0 +1,107 @@
+"""What the loader inferred about a checkpoint, for `python -m models info` (text or JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from models import deit, gpt
+from models.checkpoint import Checkpoint, config_of
+
+ORDER_NAMES = {"second": "second order", "first": "first order", "v2": "V2: affine t*x+b, then first order"}
+
+
+def matching_preset(ckpt: Checkpoint) -> str | None:
+    """The named preset whose architecture fields all equal the checkpoint's, if any."""
+    presets = deit.DEIT_PRESETS if ckpt.arch == "deit" else gpt.GPT_PRESETS
+    for name, fields in presets.items():
+        if all(ckpt.config.get(k) == v for k, v in fields.items()):
+            return name
+    return None
+
+
+def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[str, Any]:
+    config = config_of(ckpt)
+    c = ckpt.config
+    if ckpt.arch == "deit":
+        sizes = {
+            "embed_dim": c["embed_dim"],
+            "depth": c["depth"],
+            "num_heads": c["num_heads"],
+            "mlp_ratio": c["mlp_ratio"],
+            "patch_size": c["patch_size"],
+            "image_size": c["img_size"],
+            "in_chans": c["in_chans"],
+            "num_classes": c["num_classes"],
+            "qkv_bias": c["qkv_bias"],
+            "pool": c["pool"],
+            "ln_eps": c["ln_eps"],
+        }
+        layers = c["depth"]
+    else:
+        sizes = {
+            "n_embd": c["n_embd"],
+            "n_layer": c["n_layer"],
+            "n_head": c["n_head"],
+            "block_size": c["block_size"],
+            "vocab_size": c["vocab_size"],
+        }
+        layers = c["n_layer"]
+    assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig)
+    return {
+        "format": info.get("format"),
+        "architecture": ckpt.arch,
+        "preset": info.get("preset") or matching_preset(ckpt),
+        "sizes": sizes,
+        "multimax": {
+            "attention_layers": layers if config.multimax_attention else 0,
+            "total_layers": layers,
+            "output": config.multimax_output,
+            "variant": config.variant,
+        },
+        "heads_from": info.get("heads_from", "config"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "labels": ckpt.labels,
+        "preprocess": ckpt.preprocess,
+        "tokenizer": ckpt.tokenizer,
+        "meta": {k: v for k, v in ckpt.meta.items() if k != "samples"},
+    }
+
+
+def format_text(d: dict[str, Any]) -> str:
+    mm = d["multimax"]
+    used = mm["attention_layers"] or mm["output"]
+    where = []
+    if mm["attention_layers"]:
+        where.append(f"attention in {mm['attention_layers']}/{mm['total_layers']} layers")
+    if mm["output"]:
+        where.append("output layer")
+    multimax = f"{' + '.join(where)} ({ORDER_NAMES[mm['variant']]})" if used else "none (plain softmax)"
+    sizes = ", ".join(f"{k} {v}" for k, v in d["sizes"].items())
+    labels = d["labels"]
+    if labels:
+        shown = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
+        label_text = f"{len(labels)}: {shown}"
+    else:
+        label_text = "none stored"
+    rows = [
+        ("format", d["format"]),
+        ("architecture", d["architecture"]),
+        ("preset", d["preset"] or "custom"),
+        ("sizes", sizes),
+        ("heads from", d["heads_from"]),
+        ("multimax", multimax),
+        ("parameters", f"{d['parameters']:,} ({d['parameters'] / 1e6:.2f}M)"),
+        ("labels", label_text),
+    ]
+    if d["preprocess"]:
+        p = d["preprocess"]
+        rows.append(("preprocess", f"{p['channels']} {p['resize']}->{p['image_size']} mean {p['mean']} std {p['std']}"))
+    if d["tokenizer"]:
+        rows.append(("tokenizer", f"{d['tokenizer'].get('type')} ({d['tokenizer'].get('vocab_size')} tokens)"))
+    metrics = d["meta"].get("metrics")
+    if metrics:
+        rows.append(("metrics", ", ".join(f"{k} {v}" for k, v in metrics.items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
