@@ -80,6 +80,9 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a checkpoint gets the usual file mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -102,7 +105,7 @@ def read_file(path: str | os.PathLike[str]) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        if "Weights only load failed" in text or "Unsupported global" in text:
+        if "Unsupported global" in text or "GLOBAL" in text:
             culprit = text.split("GLOBAL", 1)[1].split()[0] if "GLOBAL" in text else "a Python object"
             raise CheckpointError(
                 f"{path}: refused: the pickle asks to construct {culprit}; checkpoints are loaded with "
@@ -119,8 +122,9 @@ def read_file(path: str | os.PathLike[str]) -> Any:
 
 
 def _first_line(text: str) -> str:
+    """The first sentence of torch's (often multi-paragraph) message."""
     line = text.strip().splitlines()[0] if text.strip() else "unreadable"
-    return line[:200]
+    return line.split(". ")[0].rstrip(".")[:160]
 
 
 def parse(obj: Any, source: str = "checkpoint", **hints: Any) -> tuple[Checkpoint, dict[str, Any]]:

@@ -102,6 +102,7 @@ def format_text(d: dict[str, Any]) -> str:
         rows.append(("tokenizer", f"{d['tokenizer'].get('type')} ({d['tokenizer'].get('vocab_size')} tokens)"))
     metrics = d["meta"].get("metrics")
     if metrics:
-        rows.append(("metrics", ", ".join(f"{k} {v}" for k, v in metrics.items())))
+        rows.append(("metrics", ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in metrics.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

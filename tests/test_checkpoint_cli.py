@@ -108,6 +108,7 @@ def test_bad_files_give_one_line_and_exit_2(tmp_path: Path) -> None:
     assert_clean_error(run_cli("info", str(tmp_path / "missing.pt")), "no such file")
     assert_clean_error(run_cli("info", str(tmp_path)), "directory")
     assert_clean_error(run_cli("info", str(text)), "not a PyTorch checkpoint")
+    assert_clean_error(run_cli("info", str(ROOT / "README.md")), "not a PyTorch checkpoint")
     assert_clean_error(run_cli("info", str(truncated)), "truncated or corrupt")
     proc = run_cli("info", str(evil))
     assert_clean_error(proc, "refused", "system")

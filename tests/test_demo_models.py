@@ -1,0 +1,79 @@
+"""The shipped demo models keep their promises, and the trainers that build them are reproducible."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.checkpoint import load
+from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
+from models.gpt import generate
+from models.tokenizer import ByteTokenizer
+from models.train_text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
+from models.train_vision import accuracy, digits_split, train_vision
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON_WORDS = {"the", "of", "to", "and", "is", "a", "in", "for", "be", "if", "or", "this", "that"}
+
+
+@pytest.mark.parametrize("name", [VISION_MULTIMAX, VISION_SOFTMAX])
+def test_shipped_digits_model_accuracy_is_real(name: str) -> None:
+    model, ckpt, _ = load(DEMO_DIR / name)
+    _, _, x_test, y_test = digits_split(seed=0)
+    acc = accuracy(model, x_test, y_test)
+    assert acc >= 0.97
+    # The number stored at training time is the one we measure now.
+    assert acc == pytest.approx(ckpt.meta["metrics"]["heldout_accuracy"], abs=1e-9)
+    assert ckpt.config["multimax_attention"] is (name == VISION_MULTIMAX)
+    assert ckpt.labels == [str(d) for d in range(10)]
+    assert ckpt.preprocess["channels"] == "L" and ckpt.preprocess["image_size"] == 32
+
+
+def test_shipped_text_model_bits_per_byte_and_english_like_samples() -> None:
+    model, ckpt, _ = load(DEMO_DIR / TEXT_MULTIMAX)
+    stored = ckpt.meta["metrics"]["heldout_bpb"]
+    assert stored < 2.5
+    _, heldout = split_docs(stdlib_docstring_list())
+    # A 32 KB slice of the held-out text: its bpb must be in line with the stored full-set number.
+    measured = bits_per_byte(model, _as_tensor(heldout[:32_768]))
+    assert measured < 2.5 and abs(measured - stored) < 0.35
+    tok = ByteTokenizer.from_dict(ckpt.tokenizer)
+    outs = generate(model, [tok.encode("Return the")], max_new_tokens=200, temperature=0.8, top_k=40, seed=1)
+    text = tok.decode(outs[0])
+    words = re.findall(r"[a-z]+", text.lower())
+    assert sum(c.isalpha() or c.isspace() for c in text) / len(text) > 0.8
+    assert len(COMMON_WORDS.intersection(words)) >= 3, text
+
+
+def test_demo_command_runs_on_shipped_models() -> None:
+    proc = subprocess.run([sys.executable, "-m", "models", "demo"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"digits_multimax\.pt\s+accuracy (9[7-9]|100)\.\d\d%", proc.stdout), proc.stdout
+    assert "'Return the' ->" in proc.stdout
+
+
+def test_vision_training_is_reproducible_by_seed() -> None:
+    a = train_vision(epochs=1, seed=3, progress=False)
+    b = train_vision(epochs=1, seed=3, progress=False)
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+
+
+@pytest.mark.slow
+def test_vision_training_reaches_97_percent_with_softmax_twin() -> None:
+    mm = train_vision(multimax=("attention", "output"), progress=False)["metrics"]
+    sm = train_vision(multimax=(), progress=False)["metrics"]
+    assert mm["heldout_accuracy"] >= 0.97
+    assert sm["heldout_accuracy"] >= 0.97
+
+
+@pytest.mark.slow
+def test_text_training_reaches_bits_per_byte_target() -> None:
+    result = train_text(progress=False)
+    assert result["metrics"]["heldout_bpb"] < 2.5
