@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from models.loading import CheckpointError, load_exact, strip_prefixes
+from models.loading import CheckpointError, check_keys, load_exact, strip_prefixes
 from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, paper_params, paper_row_to_params, sigma
 
 Pool = Literal["avg", "token"]
@@ -314,24 +314,6 @@ def _expected_shapes(config: DeiTConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _check_keys(config: DeiTConfig, sd: Mapping[str, Any]) -> None:
-    """Fail on the first key that does not fit, naming it and both shapes (before any allocation)."""
-    expected = _expected_shapes(config)
-    for key, shape in expected.items():
-        if key not in sd:
-            raise CheckpointError(f"checkpoint: missing key {key} (the model expects shape {shape})")
-    for key, value in sd.items():
-        if key not in expected:
-            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise CheckpointError(f"checkpoint: unexpected key {key} with shape {got} (no such parameter)")
-        if not isinstance(value, Tensor):
-            raise CheckpointError(f"checkpoint: key {key} holds {type(value).__name__}, not a tensor")
-        if tuple(value.shape) != expected[key]:
-            raise CheckpointError(
-                f"checkpoint: key {key} has shape {tuple(value.shape)}, the model expects {expected[key]}"
-            )
-
-
 def adapt_checkpoint(
     obj: Any,
     *,
@@ -460,7 +442,7 @@ def adapt_checkpoint(
         multimax_output=multimax_output,
         variant=variant,
     )
-    _check_keys(config, sd)
+    check_keys(_expected_shapes(config), sd)  # before allocating the real model
     info = {
         "layout": "timm-deit" if pool == "token" else "official-multimax",
         "source_keys": source,

@@ -30,30 +30,29 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _short(keys: list[str], limit: int = 6) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+def check_keys(
+    expected: Mapping[str, tuple[int, ...]], state_dict: Mapping[str, object], source: str = "checkpoint"
+) -> None:
+    """Fail on the first key that does not fit, naming it and both shapes.
+
+    torch's strict load reports every problem in a multi-line dump; users need the first key that
+    does not fit and both shapes, and never a silent partial load.
+    """
+    for key, shape in expected.items():
+        if key not in state_dict:
+            raise CheckpointError(f"{source}: missing key {key} (the model expects shape {shape})")
+    for key, value in state_dict.items():
+        if key not in expected:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointError(f"{source}: unexpected key {key} with shape {got} (no such parameter)")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{source}: key {key} holds {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != tuple(expected[key]):
+            got = tuple(value.shape)
+            raise CheckpointError(f"{source}: key {key} has shape {got}, the model expects {tuple(expected[key])}")
 
 
 def load_exact(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Load every tensor or fail with a message naming the offending keys and shapes.
-
-    torch's strict load reports all problems in a multi-line dump; users need the first key that
-    does not fit and both shapes, and never a silent partial load.
-    """
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if missing:
-        raise CheckpointError(f"{source}: missing key(s) {_short(missing)}")
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected key(s) {_short(unexpected)}")
-    for key, tensor in expected.items():
-        got = state_dict[key]
-        if not isinstance(got, torch.Tensor):
-            raise CheckpointError(f"{source}: key {key} holds {type(got).__name__}, not a tensor")
-        if tuple(got.shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"{source}: key {key} has shape {tuple(got.shape)}, the model expects {tuple(tensor.shape)}"
-            )
+    """Load every tensor or raise CheckpointError (see `check_keys`)."""
+    check_keys({k: tuple(v.shape) for k, v in model.state_dict().items()}, state_dict, source)
     model.load_state_dict(dict(state_dict), strict=True)
