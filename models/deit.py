@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from models.loading import CheckpointError, check_keys, load_exact, strip_prefixes
-from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, paper_params, paper_row_to_params, sigma
+from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, modulate, paper_params, paper_row_to_params
 
 Pool = Literal["avg", "token"]
 
@@ -121,7 +121,7 @@ class Attention(nn.Module):
     """Multi-head self-attention; the MultiMax parameters sit on this module, as in the official code.
 
     They are plain parameters rather than a `Modulation` child so that keys read `attn.ranges`, not
-    `attn.<child>.ranges`; the modulation itself is `models.multimax.sigma`.
+    `attn.<child>.ranges`; `models.multimax.attention_probs` reads them from this module.
     """
 
     def __init__(self, config: DeiTConfig) -> None:
@@ -137,20 +137,12 @@ class Attention(nn.Module):
         if self.multimax:
             _add_multimax_params(self, affine=config.variant == "v2")
 
-    def modulate(self, scores: Tensor) -> Tensor:
-        if self.variant == "v2":
-            scores = self.t * scores + self.b
-        return sigma(scores, self.ranges, self.ts, self.order)
-
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, N, D)
         scores = (q @ k.transpose(-2, -1)) * self.scale
-        if self.multimax:
-            scores = self.modulate(scores)
-        # Modulation is already applied; attention_probs adds the (absent) mask and does the fp32 softmax.
-        probs = attention_probs(scores, None, None)
+        probs = attention_probs(scores, self if self.multimax else None)  # modulate, softmax
         return self.proj((probs @ v).transpose(1, 2).reshape(B, N, C))
 
     def extra_repr(self) -> str:
@@ -234,7 +226,7 @@ class DeiT(nn.Module):
         logits = self.head(self.forward_features(images))
         if self.config.multimax_output:
             # Official: the head's logits are modulated; the loss' softmax follows outside the model.
-            logits = sigma(logits, self.ranges, self.ts, self.output_order)
+            logits = modulate(logits, self, self.output_order)
         return logits
 
 

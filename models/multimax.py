@@ -10,6 +10,8 @@ ranges = [b1, d1, b2, d2].
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -109,9 +111,7 @@ class Modulation(nn.Module):
             self.b = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.affine:
-            x = self.t * x + self.b
-        return sigma(x, self.ranges, self.ts, self.order)
+        return modulate(x, self)
 
     @torch.no_grad()
     def set_params(self, ranges: list[float], ts: list[float]) -> None:
@@ -122,16 +122,80 @@ class Modulation(nn.Module):
         return f"variant={self.variant}"
 
 
+def modulate(x: torch.Tensor, owner: nn.Module, order: int | None = None) -> torch.Tensor:
+    """sigma with the parameters of `owner` (a module holding `ranges`, `ts` and, for V2, `t`, `b`).
+
+    Under ONNX export (inside `onnx_export_params`) this is one `multimax::MultiMaxSigma` node.
+    """
+    order = owner.order if order is None else order
+    if getattr(owner, "t", None) is not None:
+        x = owner.t * x + owner.b
+    frozen = _export_attrs(owner, order)
+    if frozen is not None:
+        return torch.onnx.ops.symbolic("multimax::MultiMaxSigma", (x,), frozen, dtype=x.dtype, shape=x.shape, version=1)
+    return sigma(x, owner.ranges, owner.ts, order)
+
+
 def attention_probs(
-    scores: torch.Tensor, modulation: Modulation | None, mask: torch.Tensor | None = None
+    scores: torch.Tensor, owner: nn.Module | None, mask: torch.Tensor | None = None, order: int | None = None
 ) -> torch.Tensor:
     """Attention weights from raw scaled scores: modulate, then mask, then softmax.
 
-    Half-precision scores are normalised in fp32 (the exp-sum overflows fp16); fp32/fp64 stay as they are.
+    `owner` holds the MultiMax parameters (None: plain softmax). Half-precision scores are
+    normalised in fp32 (the exp-sum overflows fp16); fp32/fp64 stay as they are. Under ONNX export
+    (inside `onnx_export_params`) the whole step is one `multimax::MultiMax` node (with the mask)
+    or `multimax::MultiMaxNoMask` (without).
     """
-    y = scores if modulation is None else modulation(scores)
+    if owner is not None:
+        order = owner.order if order is None else order
+        frozen = _export_attrs(owner, order)
+        if frozen is not None:
+            x = owner.t * scores + owner.b if getattr(owner, "t", None) is not None else scores
+            op, inputs = ("MultiMax", (x, mask)) if mask is not None else ("MultiMaxNoMask", (x,))
+            return torch.onnx.ops.symbolic(f"multimax::{op}", inputs, frozen, dtype=x.dtype, shape=x.shape, version=1)
+    y = scores if owner is None else modulate(scores, owner, order)
     if mask is not None:
         y = y + mask
     if y.dtype in (torch.float16, torch.bfloat16):
         return F.softmax(y.float(), dim=-1).to(scores.dtype)
     return F.softmax(y, dim=-1)
+
+
+# --- ONNX export -------------------------------------------------------------------------------------
+# The exporter traces with fake tensors, so the learned parameters are read to Python floats first
+# and written as node attributes (what the TensorRT plugin and the ONNX function body consume).
+
+ONNX_DOMAIN = "multimax"
+PLUGIN_ATTRS = {"plugin_name": "MultiMax", "plugin_version": "1", "plugin_namespace": "multimax"}
+
+
+def _export_attrs(owner: nn.Module, order: int) -> dict[str, object] | None:
+    frozen = getattr(owner, "_onnx_params", None)
+    if frozen is None or not torch.onnx.is_in_onnx_export():
+        return None
+    ranges, ts = frozen
+    if order == 1:
+        ts = [*ts[:2], 0.0, 0.0]  # one body for both orders: zero second-order terms contribute nothing
+    return {"ranges": ranges, "ts": ts, "order": order, **PLUGIN_ATTRS}
+
+
+def multimax_owners(model: nn.Module) -> list[nn.Module]:
+    """Every module that holds a set of MultiMax parameters (`ranges` and `ts`)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "ranges", None), nn.Parameter) and isinstance(getattr(m, "ts", None), nn.Parameter)
+    ]
+
+
+@contextmanager
+def onnx_export_params(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """While active, a traced MultiMax becomes one custom-domain node carrying its parameters."""
+    owners = multimax_owners(model)
+    for m in owners:
+        m._onnx_params = ([float(v) for v in m.ranges.detach().tolist()], [float(v) for v in m.ts.detach().tolist()])
+    try:
+        yield owners
+    finally:
+        for m in owners:
+            del m._onnx_params
