@@ -1,0 +1,1 @@
+"""`python -m export`: checkpoints to validated ONNX with MultiMax as fused custom nodes."""
