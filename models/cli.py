@@ -16,7 +16,7 @@ import torch
 
 from models import checkpoint as ckpt_io
 from models import deit, gpt
-from models.demo import DEMO_DIR, build_demos, run_demo
+from models.demo import DEMO_DIR, build_demos, run_demo, text_checkpoint, vision_checkpoint
 from models.describe import describe, format_text
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
@@ -123,30 +123,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         kwargs = {"epochs": args.epochs} if args.epochs else {}
         result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
-        ckpt = ckpt_io.Checkpoint(
-            "deit",
-            result["config"],
-            result["state_dict"],
-            labels=result["labels"],
-            preprocess=result["preprocess"],
-            meta={"metrics": result["metrics"], "trained_on": "scikit-learn digits (upscaled to 32x32)"},
-        )
+        ckpt = vision_checkpoint(result)
     else:
         from models.train_text import train_text
 
         kwargs = {"steps": args.steps} if args.steps else {}
         result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
-        ckpt = ckpt_io.Checkpoint(
-            "gpt",
-            result["config"],
-            result["state_dict"],
-            tokenizer=result["tokenizer"],
-            meta={
-                "metrics": result["metrics"],
-                "samples": result["samples"],
-                "trained_on": "docstrings of the Python standard library",
-            },
-        )
+        ckpt = text_checkpoint(result)
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     print(json.dumps({"checkpoint": str(out), **ckpt.meta}, indent=2))
     return 0

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from models.checkpoint import Checkpoint, save_checkpoint
+
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 VISION_MULTIMAX = "digits_multimax.pt"
 VISION_SOFTMAX = "digits_softmax.pt"
@@ -22,28 +24,21 @@ DEMO_FILES = (VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX)
 TEXT_PROMPTS = ("Return the", "If the file", "This module provides")
 
 
-def build_demos(out_dir: Path, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Train the three demo models and write them (and report.json) into `out_dir`."""
-    from models.checkpoint import Checkpoint, save_checkpoint
-    from models.train_text import train_text
-    from models.train_vision import train_vision
+def vision_checkpoint(result: dict[str, Any]) -> Checkpoint:
+    """What `train_vision` returned, as a checkpoint."""
+    return Checkpoint(
+        "deit",
+        result["config"],
+        result["state_dict"],
+        labels=result["labels"],
+        preprocess=result["preprocess"],
+        meta={"metrics": result["metrics"], "trained_on": "scikit-learn digits (upscaled to 32x32)"},
+    )
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"seed": seed, "torch": torch.__version__}
-    for name, places in ((VISION_MULTIMAX, ("attention", "output")), (VISION_SOFTMAX, ())):
-        result = train_vision(multimax=places, seed=seed, progress=progress)
-        ckpt = Checkpoint(
-            "deit",
-            result["config"],
-            result["state_dict"],
-            labels=result["labels"],
-            preprocess=result["preprocess"],
-            meta={"metrics": result["metrics"], "trained_on": "scikit-learn digits (upscaled to 32x32)"},
-        )
-        save_checkpoint(ckpt, out_dir / name)
-        report[name] = result["metrics"]
-    result = train_text(seed=seed, progress=progress)
-    ckpt = Checkpoint(
+
+def text_checkpoint(result: dict[str, Any]) -> Checkpoint:
+    """What `train_text` returned, as a checkpoint (its samples kept in meta)."""
+    return Checkpoint(
         "gpt",
         result["config"],
         result["state_dict"],
@@ -54,7 +49,21 @@ def build_demos(out_dir: Path, seed: int = 0, progress: bool = True) -> dict[str
             "trained_on": "docstrings of the Python standard library",
         },
     )
-    save_checkpoint(ckpt, out_dir / TEXT_MULTIMAX)
+
+
+def build_demos(out_dir: Path, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Train the three demo models and write them (and report.json) into `out_dir`."""
+    from models.train_text import train_text
+    from models.train_vision import train_vision
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"seed": seed, "torch": torch.__version__}
+    for name, places in ((VISION_MULTIMAX, ("attention", "output")), (VISION_SOFTMAX, ())):
+        result = train_vision(multimax=places, seed=seed, progress=progress)
+        save_checkpoint(vision_checkpoint(result), out_dir / name)
+        report[name] = result["metrics"]
+    result = train_text(seed=seed, progress=progress)
+    save_checkpoint(text_checkpoint(result), out_dir / TEXT_MULTIMAX)
     report[TEXT_MULTIMAX] = result["metrics"] | {"samples": result["samples"]}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
