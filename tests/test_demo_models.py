@@ -66,6 +66,7 @@ def test_vision_training_is_reproducible_by_seed() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_vision_training_reaches_97_percent_with_softmax_twin() -> None:
     mm = train_vision(multimax=("attention", "output"), progress=False)["metrics"]
     sm = train_vision(multimax=(), progress=False)["metrics"]
@@ -74,6 +75,7 @@ def test_vision_training_reaches_97_percent_with_softmax_twin() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 6-13 minutes on 2 shared cores: above the suite's 600 s default
 def test_text_training_reaches_bits_per_byte_target() -> None:
     result = train_text(progress=False)
     assert result["metrics"]["heldout_bpb"] < 2.5
