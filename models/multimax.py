@@ -130,7 +130,7 @@ def modulate(x: torch.Tensor, owner: nn.Module, order: int | None = None) -> tor
     order = owner.order if order is None else order
     if getattr(owner, "t", None) is not None:
         x = owner.t * x + owner.b
-    frozen = _export_attrs(owner, order)
+    frozen = _export_attrs(owner, order, "MultiMaxSigma")
     if frozen is not None:
         return torch.onnx.ops.symbolic("multimax::MultiMaxSigma", (x,), frozen, dtype=x.dtype, shape=x.shape, version=1)
     return sigma(x, owner.ranges, owner.ts, order)
@@ -148,10 +148,11 @@ def attention_probs(
     """
     if owner is not None:
         order = owner.order if order is None else order
-        frozen = _export_attrs(owner, order)
+        op = "MultiMax" if mask is not None else "MultiMaxNoMask"
+        frozen = _export_attrs(owner, order, op)
         if frozen is not None:
             x = owner.t * scores + owner.b if getattr(owner, "t", None) is not None else scores
-            op, inputs = ("MultiMax", (x, mask)) if mask is not None else ("MultiMaxNoMask", (x,))
+            inputs = (x, mask) if mask is not None else (x,)
             return torch.onnx.ops.symbolic(f"multimax::{op}", inputs, frozen, dtype=x.dtype, shape=x.shape, version=1)
     y = scores if owner is None else modulate(scores, owner, order)
     if mask is not None:
@@ -166,17 +167,20 @@ def attention_probs(
 # and written as node attributes (what the TensorRT plugin and the ONNX function body consume).
 
 ONNX_DOMAIN = "multimax"
-PLUGIN_ATTRS = {"plugin_name": "MultiMax", "plugin_version": "1", "plugin_namespace": "multimax"}
+# TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
+# read the attribute, and `plugin_namespace` is what older parsers need to pick the plugin at all.
+PLUGIN_VERSION = "1"
 
 
-def _export_attrs(owner: nn.Module, order: int) -> dict[str, object] | None:
+def _export_attrs(owner: nn.Module, order: int, op: str) -> dict[str, object] | None:
     frozen = getattr(owner, "_onnx_params", None)
     if frozen is None or not torch.onnx.is_in_onnx_export():
         return None
     ranges, ts = frozen
     if order == 1:
         ts = [*ts[:2], 0.0, 0.0]  # one body for both orders: zero second-order terms contribute nothing
-    return {"ranges": ranges, "ts": ts, "order": order, **PLUGIN_ATTRS}
+    plugin = {"plugin_name": op, "plugin_version": PLUGIN_VERSION, "plugin_namespace": ONNX_DOMAIN}
+    return {"ranges": ranges, "ts": ts, "order": order, **plugin}
 
 
 def multimax_owners(model: nn.Module) -> list[nn.Module]:

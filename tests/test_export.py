@@ -40,7 +40,7 @@ def test_one_node_per_multimax_use_with_function_bodies(exported: tuple[Path, di
     sd = torch.load(DEMO_DIR / VISION_MULTIMAX, weights_only=True)["state_dict"]
     np.testing.assert_allclose(attrs["ranges"], sd["blocks.0.attn.ranges"].numpy(), rtol=1e-6)
     np.testing.assert_allclose(attrs["ts"], sd["blocks.0.attn.ts"].numpy(), rtol=1e-6)
-    assert attrs["order"] == 2 and attrs["plugin_name"] == b"MultiMax"
+    assert attrs["order"] == 2 and attrs["plugin_name"] == b"MultiMaxNoMask"
     bodies = {f.name: [n.op_type for n in f.node] for f in model.functions}
     assert set(bodies) == {"MultiMax", "MultiMaxNoMask", "MultiMaxSigma"}
     assert not any("Pow" in ops for ops in bodies.values())
