@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from export.onnx_export import DEFAULT_OPSET, ExportError, export_vision
-from export.validate import check_graph, validate_vision
-from models.checkpoint import load
+from tqdm import tqdm
+
+from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
+from export.validate import TOLERANCES, check_graph, validate_text, validate_vision
+from models.checkpoint import Checkpoint, load
 from models.loading import CheckpointError
 
 MIN_OPSET = 18
@@ -40,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=100, help="random inputs for validation")
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=(1, 2, 8), help="e.g. 1,2,8")
     p.add_argument("--num-heads", type=int, help="heads, for foreign checkpoints that do not store them")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
+    precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
+    p.add_argument("--trt", action="store_true", help="also build a TensorRT engine with the MultiMax plugin (GPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -47,33 +53,70 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.opset < MIN_OPSET:
         raise ExportError(f"--opset {args.opset} is too old; MultiMax export needs opset >= {MIN_OPSET}")
+    if args.samples < 1:
+        raise ExportError(f"--samples must be >= 1, got {args.samples}")
+    if args.trt:
+        reason = trt_unavailable()
+        if reason:
+            raise ExportError(f"--trt: {reason}")
+    precision = "fp16" if args.fp16 else "int8" if args.int8 else "fp32"
     ckpt_path = Path(args.checkpoint)
     model, ckpt, _ = load(ckpt_path, num_heads=args.num_heads)
-    if ckpt.arch != "deit":
-        raise ExportError(f"{ckpt_path}: {ckpt.arch} export (decoder with KV cache) is not available yet")
-    out = Path(args.output) if args.output else ckpt_path.with_suffix(".onnx")
+    suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
+    out = Path(args.output) if args.output else ckpt_path.with_name(ckpt_path.stem + suffix)
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
+    exporter = export_text if ckpt.arch == "gpt" else export_vision
     start = time.perf_counter()
-    try:
-        export_vision(model, ckpt, out, opset=args.opset, inline=args.inline)
-    except OSError as exc:
-        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+    with tqdm(total=1, desc=f"export {ckpt.arch} ({precision})", disable=args.quiet, bar_format="{desc}: {elapsed}"):
+        try:
+            exporter(model, ckpt, out, opset=args.opset, inline=args.inline, precision=precision)
+        except OSError as exc:
+            raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
     export_s = time.perf_counter() - start
-    report = {"checkpoint": str(ckpt_path), "onnx": str(out), "export_seconds": round(export_s, 2)}
-    report["graph"] = check_graph(out)
+    report = {
+        "checkpoint": str(ckpt_path),
+        "onnx": str(out),
+        "arch": ckpt.arch,
+        "precision": precision,
+        "export_seconds": round(export_s, 2),
+    }
+    report["graph"] = check_graph(out, ckpt.arch)
     if not args.no_validate:
         start = time.perf_counter()
-        report["validation"] = validate_vision(
-            model, out, ckpt.config, samples=args.samples, batch_sizes=args.batch_sizes, progress=not args.quiet
-        )
+        tolerance = TOLERANCES[precision]
+        if ckpt.arch == "gpt":
+            report["validation"] = validate_text(
+                model, out, samples=args.samples, progress=not args.quiet, tolerance=tolerance
+            )
+        else:
+            report["validation"] = validate_vision(
+                model, out, ckpt.config, samples=args.samples, batch_sizes=args.batch_sizes,
+                progress=not args.quiet, tolerance=tolerance,
+            )
         report["validation_seconds"] = round(time.perf_counter() - start, 2)
     problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
+    if args.trt and not problems:
+        report["engine"] = build_trt_engine(out, ckpt, fp16=args.fp16)
     report["passed"] = not problems
-    report_path = out.with_suffix(".validation.json")
+    report_path = out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report, report_path))
     return 0 if not problems else 1
+
+
+def trt_unavailable() -> str | None:
+    """Why no TensorRT engine can be built here (None: it can)."""
+    from plugins.build_engine import unavailable_reason
+
+    return unavailable_reason()
+
+
+def build_trt_engine(onnx_path: Path, ckpt: Checkpoint, fp16: bool) -> dict:
+    from plugins.build_engine import build_engine, default_profiles
+
+    engine = onnx_path.with_suffix(".engine")
+    return build_engine(onnx_path, engine, fp16=fp16, profiles=default_profiles(onnx_path))
 
 
 def summary(report: dict, report_path: Path) -> str:
@@ -85,17 +128,39 @@ def summary(report: dict, report_path: Path) -> str:
     ]
     v = report.get("validation")
     if v:
+        top1 = "next_token_agreement" if report["arch"] == "gpt" else "top1_agreement"
         for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
             s = v[level]
+            kv = f"  present {s['present_max_abs']:.2e}" if "present_max_abs" in s else ""
             lines.append(
-                f"  {level:<17} max|diff| {s['max_abs']:.2e}  mean {s['mean_abs']:.2e}  p99 {s['p99_abs']:.2e}  "
-                f"top-1 agreement {s['top1_agreement']:.0%}  NaN {s['nan_count']}"
+                f"  {level:<17} max|diff| {s['max_abs']:.2e}  mean {s['mean_abs']:.2e}  p99 {s['p99_abs']:.2e}{kv}  "
+                f"top-1 agreement {s[top1]:.0%}  NaN {s['nan_count']}"
             )
-        lines.append(f"  {v['samples']} random inputs, batch sizes {v['batch_sizes']}, tolerance {v['tolerance_abs']}")
+        if "greedy" in v:
+            gen = v["greedy"]
+            lines.append(
+                f"  greedy generation: {gen['identical']}/{gen['prompts']} identical over {gen['tokens']} tokens"
+            )
+        shapes = (
+            f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8" if report["arch"] == "gpt"
+            else f"batch sizes {v['batch_sizes']}"
+        )
+        lines.append(f"  {v['samples']} random inputs, {shapes}; limits: {limits(v['tolerance'], report['arch'])}")
     problems = g["problems"] + (v or {}).get("failures", [])
     lines.append(("FAILED: " + "; ".join(problems)) if problems else "passed")
     lines.append(f"report: {report_path}")
     return "\n".join(lines)
+
+
+def limits(tolerance: dict, arch: str) -> str:
+    parts = []
+    if tolerance["logits_atol"] is not None:
+        parts.append(f"max|diff| <= {tolerance['logits_atol']:g}")
+    if tolerance["top1_min"] is not None:
+        parts.append(f"top-1 >= {tolerance['top1_min']:.0%}")
+    if tolerance["greedy_exact"] and arch == "gpt":
+        parts.append("identical greedy text")
+    return ", ".join([*parts, "no NaN"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ preprocessing, MultiMax placement, exporter versions) and is written atomically.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -22,19 +23,22 @@ import torch
 from torch import nn
 
 from export.onnx_functions import function_protos
+from export.precision import DTYPES, Precision, quantize_int8
 from models.checkpoint import Checkpoint
 from models.multimax import ONNX_DOMAIN, onnx_export_params
 
 DEFAULT_OPSET = 18
 VISION_INPUT = "pixel_values"
 VISION_OUTPUT = "logits"
+TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
+TEXT_OUTPUT = "logits"
 
 
 class ExportError(ValueError):
     """An export that cannot be done as asked; one line for the user (exit code 2)."""
 
 
-def metadata(ckpt: Checkpoint, opset: int, inline: bool) -> dict[str, str]:
+def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = "fp32") -> dict[str, str]:
     cfg = ckpt.config
     places = [p for p in ("attention", "output") if cfg.get(f"multimax_{p}")]
     meta: dict[str, Any] = {
@@ -42,6 +46,7 @@ def metadata(ckpt: Checkpoint, opset: int, inline: bool) -> dict[str, str]:
         "multimax.arch": ckpt.arch,
         "multimax.config": cfg,
         "multimax.placement": {"places": places, "variant": cfg.get("variant"), "inlined": inline},
+        "multimax.precision": precision,
         "multimax.labels": ckpt.labels,
         "multimax.preprocess": ckpt.preprocess,
         "multimax.tokenizer": ckpt.tokenizer,
@@ -55,29 +60,125 @@ def metadata(ckpt: Checkpoint, opset: int, inline: bool) -> dict[str, str]:
     return {k: json.dumps(v) for k, v in meta.items() if v is not None}
 
 
+class _Vision(nn.Module):
+    """The DeiT in `dtype` behind float32 inputs and outputs, so every precision has one interface."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values.to(self.dtype)).float()
+
+
 def export_vision(
-    model: nn.Module, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET, inline: bool = False
+    model: nn.Module,
+    ckpt: Checkpoint,
+    out: Path,
+    opset: int = DEFAULT_OPSET,
+    inline: bool = False,
+    precision: Precision = "fp32",
 ) -> Path:
     """Export a DeiT to `out` (atomically); batch is the one dynamic axis, named "batch"."""
     cfg = ckpt.config
     example = torch.randn(2, cfg["in_chans"], cfg["img_size"], cfg["img_size"])
-    model = model.eval()
+    module = _Vision(_in_dtype(model, precision), DTYPES[precision])
+    program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], {VISION_INPUT: {0: "batch"}}, opset)
+    return _finish(program, ckpt, out, opset, inline, precision)
+
+
+class _Decoder(nn.Module):
+    """The GPT with the argument order of the ONNX graph (ids, mask, positions, past), float32 at its edges."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, past_key_values: list
+    ) -> tuple[torch.Tensor, list]:
+        past = [(k.to(self.dtype), v.to(self.dtype)) for k, v in past_key_values]
+        logits, presents = self.model(
+            input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=past
+        )
+        return logits.float(), [(k.float(), v.float()) for k, v in presents]
+
+
+def text_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """Input and output names of the decoder graph, as Optimum and onnxruntime-genai spell them."""
+    past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    return [*TEXT_INPUTS, *past], [TEXT_OUTPUT, *present]
+
+
+def export_text(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    out: Path,
+    opset: int = DEFAULT_OPSET,
+    inline: bool = False,
+    precision: Precision = "fp32",
+) -> Path:
+    """Export a GPT as one decoder graph with KV cache (prefill when the past is empty, else decode)."""
+    cfg = model.config
+    batch, past_len, new = 2, 3, 4  # trace above 1: sizes 0 and 1 would be specialised into the graph
+    ids = torch.randint(0, cfg.vocab_size, (batch, new))
+    mask = torch.ones(batch, past_len + new, dtype=torch.long)
+    positions = torch.arange(past_len, past_len + new).expand(batch, new).contiguous()
+    shape = (batch, cfg.n_head, past_len, cfg.head_dim)
+    past = [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.n_layer)]
+    # Ranges, not just names: the past may be empty (prefill), and the graph itself has no context limit.
+    b = torch.export.Dim("batch", min=1, max=4096)
+    t = torch.export.Dim("sequence", min=1, max=cfg.block_size)
+    p = torch.export.Dim("past_sequence", min=0, max=cfg.block_size)
+    total = torch.export.Dim("total_sequence", min=1, max=2 * cfg.block_size)
+    dynamic = {
+        "input_ids": {0: b, 1: t},
+        "attention_mask": {0: b, 1: total},
+        "position_ids": {0: b, 1: t},
+        "past_key_values": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(cfg.n_layer)],
+    }
+    inputs, outputs = text_io_names(cfg.n_layer)
+    module = _Decoder(_in_dtype(model, precision), DTYPES[precision])
+    program = _trace(module, (ids, mask, positions, past), inputs, outputs, dynamic, opset)
+    return _finish(program, ckpt, out, opset, inline, precision)
+
+
+def _in_dtype(model: nn.Module, precision: Precision) -> nn.Module:
+    """An eval-mode model in the precision's dtype; a copy when that differs, so the caller's stays fp32."""
+    dtype = DTYPES[precision]
+    if next(model.parameters()).dtype != dtype:
+        model = copy.deepcopy(model).to(dtype)
+    return model.eval()
+
+
+def _trace(
+    module: nn.Module, args: tuple, inputs: list[str], outputs: list[str], dynamic: dict, opset: int
+) -> torch.onnx.ONNXProgram:
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" chatter: not the user's concern
-    with warnings.catch_warnings(), onnx_export_params(model), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model,
-            (example,),
-            dynamo=True,
-            opset_version=opset,
-            input_names=[VISION_INPUT],
-            output_names=[VISION_OUTPUT],
-            dynamic_shapes={"images": {0: "batch"}},
-            verbose=False,
-        )
-    exporter_log.setLevel(level)
+    try:
+        with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=opset,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=dynamic,
+                verbose=False,
+            )
+    finally:
+        exporter_log.setLevel(level)
+
+
+def _finish(
+    program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision
+) -> Path:
+    """Attach the MultiMax function bodies (or inline them), quantize if asked, add the metadata, write atomically."""
     for proto in function_protos(opset):
         fn = ir.serde.deserialize_function(proto)
         program.model.functions[fn.identifier()] = fn
@@ -89,7 +190,9 @@ def export_vision(
         kept = [o for o in proto.opset_import if o.domain != ONNX_DOMAIN]
         del proto.opset_import[:]
         proto.opset_import.extend(kept)
-    for key, value in metadata(ckpt, opset, inline).items():
+    if precision == "int8":
+        proto = quantize_int8(proto)
+    for key, value in metadata(ckpt, opset, inline, precision).items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     return save_atomic(proto, out)
 

@@ -132,7 +132,7 @@ def modulate(x: torch.Tensor, owner: nn.Module, order: int | None = None) -> tor
         x = owner.t * x + owner.b
     frozen = _export_attrs(owner, order, "MultiMaxSigma")
     if frozen is not None:
-        return torch.onnx.ops.symbolic("multimax::MultiMaxSigma", (x,), frozen, dtype=x.dtype, shape=x.shape, version=1)
+        return _export_node("MultiMaxSigma", x, None, frozen)
     return sigma(x, owner.ranges, owner.ts, order)
 
 
@@ -152,8 +152,7 @@ def attention_probs(
         frozen = _export_attrs(owner, order, op)
         if frozen is not None:
             x = owner.t * scores + owner.b if getattr(owner, "t", None) is not None else scores
-            inputs = (x, mask) if mask is not None else (x,)
-            return torch.onnx.ops.symbolic(f"multimax::{op}", inputs, frozen, dtype=x.dtype, shape=x.shape, version=1)
+            return _export_node(op, x, mask, frozen)
     y = scores if owner is None else modulate(scores, owner, order)
     if mask is not None:
         y = y + mask
@@ -181,6 +180,14 @@ def _export_attrs(owner: nn.Module, order: int, op: str) -> dict[str, object] | 
         ts = [*ts[:2], 0.0, 0.0]  # one body for both orders: zero second-order terms contribute nothing
     plugin = {"plugin_name": op, "plugin_version": PLUGIN_VERSION, "plugin_namespace": ONNX_DOMAIN}
     return {"ranges": ranges, "ts": ts, "order": order, **plugin}
+
+
+def _export_node(op: str, x: torch.Tensor, mask: torch.Tensor | None, attrs: dict[str, object]) -> torch.Tensor:
+    """One `multimax::<op>` node, always computed in fp32: the squared terms overflow fp16."""
+    dtype = x.dtype
+    inputs = (x.float(),) if mask is None else (x.float(), mask.float())
+    y = torch.onnx.ops.symbolic(f"multimax::{op}", inputs, attrs, dtype=torch.float32, shape=x.shape, version=1)
+    return y.to(dtype)
 
 
 def multimax_owners(model: nn.Module) -> list[nn.Module]:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from export import validate
-from export.cli import main
+from export.cli import main, trt_unavailable
 from export.onnx_export import VISION_INPUT, VISION_OUTPUT, export_vision
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
+from models.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_softmax_twin_has_no_multimax_nodes(tmp_path: Path) -> None:
 
 def test_missed_tolerance_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = shutil.copy(DEMO_DIR / VISION_MULTIMAX, tmp_path / "m.pt")
-    monkeypatch.setattr(validate, "LOGITS_ATOL", 0.0)
+    monkeypatch.setitem(validate.TOLERANCES, "fp32", validate.Tolerance(0.0, 1.0, True))
     assert main([str(ckpt), "--quiet", "--samples", "4"]) == 1
     report = json.loads((tmp_path / "m.validation.json").read_text())
     assert not report["passed"] and "max abs diff" in report["validation"]["failures"][0]
@@ -117,11 +118,105 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.Cap
     notes = tmp_path / "notes.pt"
     notes.write_text("not a checkpoint")
     assert main([str(notes)]) == 2
-    text = shutil.copy(DEMO_DIR / TEXT_MULTIMAX, tmp_path / "text.pt")
-    assert main([str(text)]) == 2
-    assert "not available yet" in capsys.readouterr().err
     model = DeiT(DeiTConfig(img_size=16, patch_size=8, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2))
     small = save_checkpoint(Checkpoint("deit", model.config.to_dict(), model.state_dict()), tmp_path / "s.pt")
     assert main([str(small), "-o", str(tmp_path / "nope" / "s.onnx")]) == 2
     assert main([str(small), "--opset", "13"]) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt", "s.pt", "text.pt"]
+    assert main([str(small), "--samples", "0"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main([str(small), "--fp16", "--int8"])
+    assert exc.value.code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt", "s.pt"]
+    # No TensorRT / GPU here: --trt says why before any work is done.
+    if trt_unavailable():
+        capsys.readouterr()
+        assert main([str(small), "--trt"]) == 2
+        assert "--trt:" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt", "s.pt"]
+
+
+@pytest.fixture(scope="module")
+def exported_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("export_text")
+    ckpt = shutil.copy(DEMO_DIR / TEXT_MULTIMAX, tmp / "text.pt")
+    assert main([str(ckpt), "--quiet"]) == 0
+    return tmp / "text.onnx", json.loads((tmp / "text.validation.json").read_text())
+
+
+def test_text_graph_has_kv_cache_io_with_named_axes(exported_text: tuple[Path, dict]) -> None:
+    path, report = exported_text
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    n_layer = 4
+    inputs, outputs = report["graph"]["inputs"], report["graph"]["outputs"]
+    assert list(inputs) == ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
+    ]
+    assert list(outputs) == ["logits"] + [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    assert inputs["input_ids"] == ["batch", "sequence"]
+    assert inputs["attention_mask"][0] == "batch" and isinstance(inputs["attention_mask"][1], str)
+    assert inputs["past_key_values.0.key"] == ["batch", 4, "past_sequence", 32]
+    assert outputs["logits"] == ["batch", "sequence", 259]
+    assert [n.op_type for n in proto.graph.node if n.domain] == ["MultiMax"] * n_layer + ["MultiMaxSigma"]
+    props = {p.key: json.loads(p.value) for p in proto.metadata_props}
+    assert props["multimax.arch"] == "gpt" and props["multimax.tokenizer"]["type"] == ByteTokenizer.type
+    assert props["multimax.config"]["block_size"] == 128
+
+
+def test_text_validation_covers_prefill_decode_and_greedy_text(exported_text: tuple[Path, dict]) -> None:
+    _, report = exported_text
+    v = report["validation"]
+    assert report["passed"] and v["samples"] >= 100 and v["past_lengths"][0] == 0
+    for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
+        assert v[level]["max_abs"] <= 1e-4 and v[level]["present_max_abs"] <= 1e-4 and v[level]["nan_count"] == 0
+    assert v["greedy"] == {"prompts": 16, "tokens": 32, "identical": 16}
+
+
+def test_text_graph_decodes_from_an_empty_past_like_pytorch(exported_text: tuple[Path, dict]) -> None:
+    """Independent of the validator: prefill two left-padded prompts, then two decode steps."""
+    path, _ = exported_text
+    model, _, _ = load(DEMO_DIR / TEXT_MULTIMAX)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = torch.tensor([[0, 0, 72, 105], [84, 104, 101, 32]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    past = [(torch.zeros(2, 4, 0, 32), torch.zeros(2, 4, 0, 32)) for _ in range(4)]
+    for step in range(3):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        logits, *presents = session.run(None, validate._feed(ids, mask, positions.contiguous(), past))
+        with torch.no_grad():
+            ref, past = model(ids, positions, mask, past)
+        np.testing.assert_allclose(logits, ref.numpy(), atol=1e-4, err_msg=f"step {step}")
+        for got, want in zip(presents, [t for pair in past for t in pair], strict=True):
+            np.testing.assert_allclose(got, want.numpy(), atol=1e-4)
+        ids = ref[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+
+
+@pytest.mark.parametrize("flag", ["--fp16", "--int8"])
+def test_reduced_precision_variants(tmp_path: Path, flag: str) -> None:
+    ckpt = shutil.copy(DEMO_DIR / VISION_MULTIMAX, tmp_path / "digits.pt")
+    assert main([str(ckpt), flag, "--quiet", "--samples", "24"]) == 0
+    precision = flag[2:]
+    path = tmp_path / f"digits.{precision}.onnx"
+    report = json.loads((tmp_path / f"digits.{precision}.validation.json").read_text())
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    assert report["precision"] == precision and report["passed"]
+    props = {p.key: json.loads(p.value) for p in proto.metadata_props if p.key.startswith("multimax.")}
+    assert props["multimax.precision"] == precision
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].type == "tensor(float)" and session.get_outputs()[0].type == "tensor(float)"
+    ops = {n.op_type for n in proto.graph.node}
+    stats = report["validation"]["ORT_ENABLE_ALL"]
+    if precision == "fp16":
+        assert stats["max_abs"] <= 2e-2 and stats["top1_agreement"] >= 0.99
+        weights = [t for t in proto.graph.initializer if len(t.dims) == 2]
+        assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights)
+        # MultiMax nodes stay fp32: each one's input comes out of a Cast to float.
+        producers = {o: n for n in proto.graph.node for o in n.output}
+        for node in (n for n in proto.graph.node if n.domain == "multimax"):
+            cast = producers[node.input[0]]
+            assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT
+    else:
+        assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+        assert stats["nan_count"] == 0 and stats["top1_agreement"] >= 0.9
