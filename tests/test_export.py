@@ -220,3 +220,24 @@ def test_reduced_precision_variants(tmp_path: Path, flag: str) -> None:
     else:
         assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
         assert stats["nan_count"] == 0 and stats["top1_agreement"] >= 0.9
+
+
+@pytest.mark.parametrize("name", [VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX])
+def test_shipped_demo_onnx_matches_its_checkpoint(name: str) -> None:
+    """The server's default models: stale files (re-run `python -m export.demos`) fail here."""
+    model, ckpt, _ = load(DEMO_DIR / name)
+    path = DEMO_DIR / name.replace(".pt", ".onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    props = {p.key: json.loads(p.value) for p in onnx.load(str(path)).metadata_props}
+    assert props["multimax.arch"] == ckpt.arch and props["multimax.config"] == ckpt.config
+    torch.manual_seed(0)
+    with torch.no_grad():
+        if ckpt.arch == "deit":
+            x = torch.randn(8, 1, 32, 32)
+            got, want = session.run(None, {VISION_INPUT: x.numpy()})[0], model(x)
+        else:
+            ids = torch.randint(0, 256, (2, 12))
+            mask, positions = torch.ones(2, 12, dtype=torch.long), torch.arange(12).expand(2, 12).contiguous()
+            past = [(torch.zeros(2, 4, 0, 32), torch.zeros(2, 4, 0, 32)) for _ in range(4)]
+            got, want = session.run(None, validate._feed(ids, mask, positions, past))[0], model(ids)[0]
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-4)
