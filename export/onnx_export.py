@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -30,6 +31,8 @@ from models.multimax import ONNX_DOMAIN, onnx_export_params
 DEFAULT_OPSET = 18
 VISION_INPUT = "pixel_values"
 VISION_OUTPUT = "logits"
+# protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that.
+EXTERNAL_DATA_THRESHOLD = 2_000_000_000 - 10_000_000
 TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
 TEXT_OUTPUT = "logits"
 
@@ -198,22 +201,30 @@ def _finish(
 
 
 def save_atomic(proto: onnx.ModelProto, out: Path) -> Path:
-    """One file below 2 GB, external data beside it above; temp files renamed into place at the end."""
+    """One file below 2 GB, external data beside it (`<name>.data`) above.
+
+    Everything is written in a temporary directory next to `out` and renamed into place at the end
+    (data first, then the graph that names it), so a failed export leaves no partial files.
+    """
     directory = out.parent
-    large = proto.ByteSize() > 2_000_000_000 - 10_000_000
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    large = proto.ByteSize() > EXTERNAL_DATA_THRESHOLD
     data_name = out.name + ".data"
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=directory))
     try:
+        staged = staging / out.name
         if large:
-            onnx.save_model(proto, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
+            onnx.save_model(proto, staged, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
         else:
-            onnx.save_model(proto, tmp)
+            onnx.save_model(proto, staged)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        for f in staging.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        if large:
+            os.replace(staging / data_name, directory / data_name)
+        os.replace(staged, out)
+        if not large:
+            (directory / data_name).unlink(missing_ok=True)  # an earlier, larger export's weights
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
