@@ -9,9 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from torch import nn
 
 from export.onnx_functions import function_protos
 from export.precision import DTYPES, Precision, quantize_int8
+from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
 from models.multimax import ONNX_DOMAIN, onnx_export_params
 
@@ -203,28 +201,20 @@ def _finish(
 def save_atomic(proto: onnx.ModelProto, out: Path) -> Path:
     """One file below 2 GB, external data beside it (`<name>.data`) above.
 
-    Everything is written in a temporary directory next to `out` and renamed into place at the end
-    (data first, then the graph that names it), so a failed export leaves no partial files.
+    Written in a staging directory next to `out` and renamed into place at the end (data first, then
+    the graph that names it), so a failed export leaves no partial files.
     """
-    directory = out.parent
     large = proto.ByteSize() > EXTERNAL_DATA_THRESHOLD
     data_name = out.name + ".data"
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=directory))
-    try:
-        staged = staging / out.name
+    with staging_dir(out) as staging:
         if large:
-            onnx.save_model(proto, staged, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
+            onnx.save_model(
+                proto, staging / out.name, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name
+            )
+            publish(staging / data_name, out.parent / data_name)
         else:
-            onnx.save_model(proto, staged)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in staging.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-        if large:
-            os.replace(staging / data_name, directory / data_name)
-        os.replace(staged, out)
-        if not large:
-            (directory / data_name).unlink(missing_ok=True)  # an earlier, larger export's weights
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            onnx.save_model(proto, staging / out.name)
+        publish(staging / out.name, out)
+    if not large:
+        (out.parent / data_name).unlink(missing_ok=True)  # an earlier, larger export's weights
     return out

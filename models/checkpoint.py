@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from models import deit, gpt
+from models.atomic import publish, staging_dir
 from models.loading import CheckpointError, load_exact
 
 FORMAT = "multimax/1"
@@ -64,7 +64,7 @@ class Checkpoint:
 
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
-    """Write atomically: a temp file in the target directory, fsync, then rename over the target."""
+    """Write atomically (see models.atomic): a reader sees the old file or the new one, never a part."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
@@ -72,21 +72,11 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
     state = {k: v.detach().cpu().contiguous() for k, v in ckpt.state_dict.items()}
     payload = ckpt.to_dict() | {"state_dict": state}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        with staging_dir(path) as staging:
+            torch.save(payload, staging / path.name)
+            publish(staging / path.name, path)
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a checkpoint gets the usual file mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 
