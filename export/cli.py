@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
 from export.validate import TOLERANCES, check_graph, validate_text, validate_vision
-from models.checkpoint import Checkpoint, load
+from models.checkpoint import load
 from models.loading import CheckpointError
 
 MIN_OPSET = 18
@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         report["validation_seconds"] = round(time.perf_counter() - start, 2)
     problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
     if args.trt and not problems:
-        report["engine"] = build_trt_engine(out, ckpt, fp16=args.fp16)
+        report["engine"] = build_trt_engine(out, fp16=args.fp16)
+        problems += [report["engine"]["error"]] if "error" in report["engine"] else []
+    report["problems"] = problems
     report["passed"] = not problems
     report_path = out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -107,16 +109,27 @@ def run(args: argparse.Namespace) -> int:
 
 def trt_unavailable() -> str | None:
     """Why no TensorRT engine can be built here (None: it can)."""
-    from plugins.build_engine import unavailable_reason
+    from plugins.build_engine import BuildError, require_tensorrt
 
-    return unavailable_reason()
+    try:
+        require_tensorrt()
+    except BuildError as exc:
+        return str(exc)
+    return None
 
 
-def build_trt_engine(onnx_path: Path, ckpt: Checkpoint, fp16: bool) -> dict:
-    from plugins.build_engine import build_engine, default_profiles
+def build_trt_engine(onnx_path: Path, fp16: bool) -> dict:
+    """The engine with the MultiMax plugin; a fallback to the elementwise bodies is a failure (exit 1)."""
+    from plugins.build_engine import BuildError, PluginFallbackError, build_engine
 
-    engine = onnx_path.with_suffix(".engine")
-    return build_engine(onnx_path, engine, fp16=fp16, profiles=default_profiles(onnx_path))
+    start = time.perf_counter()
+    try:
+        engine = build_engine(onnx_path, onnx_path.with_suffix(".engine"), fp16=fp16)
+    except BuildError as exc:
+        raise ExportError(f"--trt: {exc}") from None
+    except PluginFallbackError as exc:
+        return {"error": str(exc)}
+    return {"path": str(engine), "seconds": round(time.perf_counter() - start, 2)}
 
 
 def summary(report: dict, report_path: Path) -> str:
@@ -146,7 +159,10 @@ def summary(report: dict, report_path: Path) -> str:
             else f"batch sizes {v['batch_sizes']}"
         )
         lines.append(f"  {v['samples']} random inputs, {shapes}; limits: {limits(v['tolerance'], report['arch'])}")
-    problems = g["problems"] + (v or {}).get("failures", [])
+    engine = report.get("engine")
+    if engine and "path" in engine:
+        lines.append(f"  TensorRT engine with the MultiMax plugin: {engine['path']} ({engine['seconds']:.1f} s)")
+    problems = report["problems"]
     lines.append(("FAILED: " + "; ".join(problems)) if problems else "passed")
     lines.append(f"report: {report_path}")
     return "\n".join(lines)
