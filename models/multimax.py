@@ -141,8 +141,8 @@ def attention_probs(
 ) -> torch.Tensor:
     """Attention weights from raw scaled scores: modulate, then mask, then softmax.
 
-    `owner` holds the MultiMax parameters (None: plain softmax). Half-precision scores are
-    normalised in fp32 (the exp-sum overflows fp16); fp32/fp64 stay as they are. Under ONNX export
+    `owner` holds the MultiMax parameters (None: plain softmax). Half-precision scores are modulated and
+    normalised in fp32 (squares and the exp-sum overflow fp16); fp32/fp64 stay as they are. Under ONNX export
     (inside `onnx_export_params`) the whole step is one `multimax::MultiMax` node (with the mask)
     or `multimax::MultiMaxNoMask` (without).
     """
@@ -153,12 +153,12 @@ def attention_probs(
         if frozen is not None:
             x = owner.t * scores + owner.b if getattr(owner, "t", None) is not None else scores
             return _export_node(op, x, mask, frozen)
-    y = scores if owner is None else modulate(scores, owner, order)
+    half = scores.dtype in (torch.float16, torch.bfloat16)
+    y = scores.float() if half else scores  # sigma's squared terms overflow fp16: fp32 like the fused kernel
+    y = y if owner is None else modulate(y, owner, order)
     if mask is not None:
         y = y + mask
-    if y.dtype in (torch.float16, torch.bfloat16):
-        return F.softmax(y.float(), dim=-1).to(scores.dtype)
-    return F.softmax(y, dim=-1)
+    return F.softmax(y, dim=-1).to(scores.dtype) if half else F.softmax(y, dim=-1)
 
 
 # --- ONNX export -------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def attention_probs(
 
 ONNX_DOMAIN = "multimax"
 # TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
-# read the attribute, and `plugin_namespace` is what older parsers need to pick the plugin at all.
+# read the attribute, and `plugin_namespace` names the plugin's namespace for parsers that look it up.
 PLUGIN_VERSION = "1"
 
 
