@@ -68,6 +68,8 @@ def session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizatio
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.intra_op_num_threads = threads
+    # Idle ORT threads spin for a while after each run; side by side with PyTorch that steals its cores.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
