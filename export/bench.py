@@ -4,7 +4,8 @@ Every comparison runs its contenders interleaved, round after round, in one proc
 median of per-round ratios, so a busy shared machine slows both sides alike. Sections:
 
 1. DeiT-small (paper parameters) export + validation time, through `python -m export` itself.
-2. MultiMax overhead: DeiT-small MultiMax ONNX vs its softmax twin in onnxruntime (CPU), batch 1 and 8.
+2. MultiMax overhead: DeiT-small MultiMax ONNX vs its softmax twin in onnxruntime (CPU), batch 1 and 8,
+   and the same pair under torch.compile (whose inductor fuses the modulation into the softmax).
 3. The same MultiMax model in onnxruntime vs PyTorch eager vs torch.compile.
 4. Attention fusion: onnxruntime's transformer optimizer fuses the softmax twin's attention; the
    MultiMax graph cannot be fused. What that costs.
@@ -142,6 +143,22 @@ def bench_runtimes(mm_ckpt: Path, mm_onnx: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
+def bench_compiled_overhead(mm_ckpt: Path, sm_ckpt: Path, rounds: int) -> dict[str, Any]:
+    """MultiMax vs softmax twin under torch.compile: inductor fuses the modulation into the softmax."""
+    models = {}
+    for name, ckpt in (("softmax", sm_ckpt), ("multimax", mm_ckpt)):
+        model, _, _ = load(ckpt)
+        models[name] = torch.compile(model.eval())
+    out = {}
+    for batch, calls in ((1, 8), (8, 2)):
+        x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            out[f"batch_{batch}"] = interleaved(
+                {name: lambda m=m, x=x: m(x) for name, m in models.items()}, rounds, calls, f"compiled b{batch}"
+            )
+    return out
+
+
 def bench_fusion(mm: Path, sm: Path, tmp: Path, rounds: int) -> dict[str, Any]:
     """onnxruntime's transformer optimizer (model_type vit) on both graphs, then all four side by side."""
     from onnxruntime.transformers.optimizer import optimize_model
@@ -207,6 +224,7 @@ def markdown(results: dict[str, Any]) -> str:
             )
         lines.append("")
     for key, title in (("overhead", "MultiMax vs softmax twin (onnxruntime CPU)"),
+                       ("compiled_overhead", "MultiMax vs softmax twin (torch.compile, CPU)"),
                        ("runtimes", "onnxruntime vs PyTorch eager vs torch.compile (MultiMax DeiT-small)")):
         if key not in results:
             continue
@@ -235,7 +253,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("export", "overhead", "runtimes", "fusion", "precision")
+SECTIONS = ("export", "overhead", "compiled_overhead", "runtimes", "fusion", "precision")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = tqdm(args.only, desc="sections")
         for section in steps:
             steps.set_postfix_str(section)
-            if section == "export" or not mm.exists():
+            if section == "export" or (section in ("overhead", "runtimes", "fusion") and not mm.exists()):
                 results.setdefault("export", {})
                 for name, ckpt in (("multimax", mm_ckpt), ("softmax twin", sm_ckpt)):
                     results["export"][name] = bench_export(ckpt)
@@ -265,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             if section == "overhead":
                 results["overhead"] = bench_overhead(mm, sm, args.rounds)
+            elif section == "compiled_overhead":
+                results["compiled_overhead"] = bench_compiled_overhead(mm_ckpt, sm_ckpt, args.rounds)
             elif section == "runtimes":
                 results["runtimes"] = bench_runtimes(mm_ckpt, mm, args.rounds)
             elif section == "fusion":
