@@ -1,0 +1,54 @@
+"""The interface every backend implements, whatever runs the model underneath.
+
+Arrays cross this boundary as numpy (vision, token ids, masks). A text backend's KV cache stays in
+its own array type (numpy for ONNX Runtime, torch tensors for PyTorch) so a GPU cache never makes a
+round trip through host memory between decode steps; `service.kvcache` handles both types.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Past = list[tuple[Any, Any]]  # per layer (key, value), each (batch, n_head, length, head_dim)
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this machine (library or device missing); one line for the user."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # KServe V2 datatype name: FP32, INT64, ...
+    shape: tuple[int, ...]  # -1 for dynamic dimensions
+
+
+class Backend(ABC):
+    kind: str  # "onnxruntime" | "tensorrt" | "torch"
+    platform: str  # KServe/Triton platform name
+    provider: str  # what really executes: an ORT execution provider, "cuda", "cpu", ...
+    arch: str  # "deit" | "gpt"
+
+    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
+        """(B, C, H, W) float32 -> logits (B, classes) float32."""
+        raise NotImplementedError(f"{self.kind} backend does not run vision models")
+
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[Any, Past]:
+        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new)."""
+        raise NotImplementedError(f"{self.kind} backend does not run text models")
+
+    def empty_past(self, batch: int) -> Past:
+        raise NotImplementedError(f"{self.kind} backend does not run text models")
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What /v1/models and the logs say about this backend."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing that needs closing
+        pass

@@ -1,0 +1,112 @@
+"""ONNX Runtime backend: the exported .onnx files, with the providers this machine really has."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from service.backends.base import Backend, BackendUnavailable, Past
+from service.backends.probe import onnxruntime_providers
+
+log = logging.getLogger("service")
+
+
+def read_metadata(session: ort.InferenceSession) -> dict[str, Any]:
+    """The exporter's `multimax.*` metadata_props, JSON-decoded, without the prefix."""
+    out: dict[str, Any] = {}
+    for key, value in session.get_modelmeta().custom_metadata_map.items():
+        if key.startswith("multimax."):
+            try:
+                out[key.removeprefix("multimax.")] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key.removeprefix("multimax.")] = value
+    return out
+
+
+class OnnxRuntimeBackend(Backend):
+    kind = "onnxruntime"
+    platform = "onnxruntime_onnx"
+
+    def __init__(
+        self,
+        path: Path,
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 0,
+        providers: tuple[str, ...] = (),
+        spinning: bool = False,
+    ) -> None:
+        self.path = path
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = inter_op_threads
+        value = "1" if spinning else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", value)
+        options.add_session_config_entry("session.inter_op.allow_spinning", value)
+        options.log_severity_level = 3  # errors only: providers are chosen so that there are none to warn about
+        if providers:
+            unknown = [p for p in providers if p not in ort.get_available_providers()]
+            if unknown:
+                raise BackendUnavailable(f"onnxruntime has no provider(s) {', '.join(unknown)}")
+            requested, why = providers, ""
+        else:
+            requested, why = onnxruntime_providers()
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=options, providers=list(requested))
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
+            raise BackendUnavailable(f"{path.name}: onnxruntime cannot load it: {str(exc).splitlines()[0]}") from None
+        self.provider = self.session.get_providers()[0]
+        self.gpu = self.provider != "CPUExecutionProvider"
+        if why and not providers:
+            log.info("%s: %s (%s)", path.name, self.provider, why)
+        self.metadata = read_metadata(self.session)
+        self.arch = str(self.metadata.get("arch", ""))
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        if self.arch == "gpt":
+            cfg = self.metadata.get("config") or {}
+            self.n_layer, self.n_head = int(cfg["n_layer"]), int(cfg["n_head"])
+            self.head_dim = int(cfg["n_embd"]) // self.n_head
+            self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.n_layer)]
+            self.present_names = [n for i in range(self.n_layer) for n in (f"present.{i}.key", f"present.{i}.value")]
+            missing = [n for pair in self.past_names for n in pair if n not in self.input_names]
+            if missing:
+                raise BackendUnavailable(f"{path.name}: text model without KV-cache inputs ({missing[0]} missing)")
+            past_type = next(i.type for i in self.session.get_inputs() if i.name == self.past_names[0][0])
+            self.past_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
+
+    def _run(self, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+        if not self.gpu:
+            return self.session.run(outputs, feeds)
+        # On a GPU, IO binding lets ORT place outputs on the device and copy each once, in one sync.
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in outputs:
+            binding.bind_output(name, "cuda")
+        self.session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+
+    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
+        return self._run({"pixel_values": pixel_values}, ["logits"])[0]
+
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[np.ndarray, Past]:
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        for (k_name, v_name), (k, v) in zip(self.past_names, past, strict=True):
+            feeds[k_name], feeds[v_name] = k, v
+        out = self._run(feeds, ["logits", *self.present_names])
+        return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.n_layer)]
+
+    def empty_past(self, batch: int) -> Past:
+        shape = (batch, self.n_head, 0, self.head_dim)
+        return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for _ in range(self.n_layer)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind, "provider": self.provider, "file": self.path.name}

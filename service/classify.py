@@ -1,0 +1,200 @@
+"""`POST /v1/models/{name}/classify`: decode request -> (dynamic batch -> predict -> unbatch) -> encode response.
+
+An image arrives as the raw body (`image/png`, `image/jpeg`, ...), as a multipart upload (every file
+part is one image), or as JSON `{"images": [base64, ...]}` (data URLs accepted). Each image is decoded
+and preprocessed on its own, so a broken one fails only its request, before anything is batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+from starlette.datastructures import UploadFile
+from starlette.responses import Response
+
+from service.errors import ServiceError, bad_request
+from service.lifecycle import deadline, tracked, unless_disconnected
+from service.runtime import ModelRuntime, Runtimes, softmax
+from service.vision import load_and_preprocess
+
+router = APIRouter(tags=["classification"])
+INLINE_DECODE_BYTES = 64 * 1024  # smaller images decode faster than a hop to a worker thread costs
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+OPENAPI_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "image/png": _BINARY,
+            "image/jpeg": _BINARY,
+            "image/webp": _BINARY,
+            "application/octet-stream": _BINARY,
+            "multipart/form-data": {
+                "schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}},
+                           "required": ["file"]},
+            },
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"images": {"type": "array", "items": {"type": "string", "format": "byte"},
+                                              "minItems": 1}},
+                    "required": ["images"],
+                },
+            },
+        },
+    },
+}
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int
+    probability: float
+
+
+class ClassificationResponse(BaseModel):
+    model: str
+    object: str = "classification"
+    predictions: list[list[Prediction]]  # per image, the top-k labels by probability
+
+
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _b64(item: Any, index: int) -> bytes:
+    if not isinstance(item, str):
+        raise bad_request(f"images[{index}] must be a base64 string, got {type(item).__name__}", "images")
+    if item.startswith("data:"):
+        item = item.split(",", 1)[-1]  # data:image/png;base64,....
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"images[{index}] is not valid base64", "images") from None
+
+
+async def read_images(request: Request, limit: int) -> list[bytes]:
+    """decode_request, first half: the request's image files as bytes (4xx for a malformed request)."""
+    media = _media_type(request)
+    if media.startswith("image/") or media == "application/octet-stream":
+        return [await request.body()]
+    if media == "multipart/form-data":
+        form = await request.form(max_files=limit + 1, max_fields=limit + 16)
+        try:
+            files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            if not files:
+                raise bad_request("multipart upload without a file part", "file")
+            if len(files) > limit:
+                raise bad_request(f"at most {limit} images per request, got {len(files)}", "file")
+            return [await f.read() for f in files]
+        finally:
+            await form.close()
+    if media == "application/json":
+        try:
+            payload = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"body is not valid JSON: {exc}") from None
+        images = payload.get("images") if isinstance(payload, dict) else None
+        if not isinstance(images, list) or not images:
+            raise bad_request('JSON body must be {"images": [base64, ...]} with at least one image', "images")
+        if len(images) > limit:
+            raise bad_request(f"at most {limit} images per request, got {len(images)}", "images")
+        return [_b64(item, i) for i, item in enumerate(images)]
+    shown = media or "none"
+    raise ServiceError(415, f"content type {shown} not accepted: send an image (image/png, image/jpeg, ...), "
+                            "multipart/form-data or application/json", code="unsupported_media_type")
+
+
+async def decode_request(request: Request, rt: ModelRuntime, settings: Any) -> np.ndarray:
+    """The request as model rows (n, C, H, W): read, decode and preprocess every image."""
+    blobs = await read_images(request, settings.max_images_per_request)
+    assert rt.preprocess is not None
+    rows = []
+    for i, blob in enumerate(blobs):
+        args = (blob, rt.preprocess, settings.max_image_pixels, settings.min_image_side)
+        try:
+            if len(blob) <= INLINE_DECODE_BYTES:
+                rows.append(load_and_preprocess(*args))
+            else:
+                rows.append(await asyncio.to_thread(load_and_preprocess, *args))
+        except ServiceError as exc:
+            if len(blobs) > 1:
+                exc.message = f"images[{i}]: {exc.message}"
+            raise
+    return np.stack(rows)
+
+
+def encode_response(name: str, labels: list[str], probs: np.ndarray, top_k: int) -> dict[str, Any]:
+    k = min(top_k, probs.shape[-1])
+    order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    predictions = [
+        [{"label": labels[j] if j < len(labels) else str(j), "index": int(j), "probability": float(row[j])}
+         for j in idx]
+        for row, idx in zip(probs, order, strict=True)
+    ]
+    return {"model": name, "object": "classification", "predictions": predictions}
+
+
+QUERY_PARAMETERS = [
+    {"name": "top_k", "in": "query", "required": False, "description": "labels to return per image (at most the "
+     "class count)", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 5}},
+    {"name": "timeout", "in": "query", "required": False, "description": "seconds; shortens the server's deadline",
+     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600}},
+]
+
+
+def query_params(request: Request) -> tuple[int, float | None]:
+    """top_k and timeout, parsed by hand: FastAPI's parameter machinery costs more than the model on small
+    images (the OpenAPI schema still documents both, through QUERY_PARAMETERS)."""
+    q = request.query_params
+    try:
+        top_k = int(q.get("top_k", 5))
+    except ValueError:
+        raise bad_request("top_k: must be an integer", "top_k") from None
+    if not 1 <= top_k <= 1000:
+        raise bad_request("top_k: must be in 1..1000", "top_k")
+    timeout = None
+    if "timeout" in q:
+        try:
+            timeout = float(q["timeout"])
+        except ValueError:
+            raise bad_request("timeout: must be a number of seconds", "timeout") from None
+        if not 0 < timeout <= 3600:  # also refuses NaN
+            raise bad_request("timeout: must be in (0, 3600] seconds", "timeout")
+    return top_k, timeout
+
+
+@router.post("/v1/models/{name}/classify", openapi_extra=OPENAPI_BODY | {"parameters": QUERY_PARAMETERS},
+             response_class=Response,
+             responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"}},
+             summary="Classify images: top-k labels with probabilities")
+async def classify(name: str, request: Request) -> Response:
+    runtimes: Runtimes = request.app.state.runtimes
+    settings = runtimes.settings
+    async with tracked(runtimes.metrics, runtimes.label(name), "classify"):
+        top_k, timeout = query_params(request)
+        rt = runtimes.get(name, "image-classification")
+        rows = await decode_request(request, rt, settings)
+        assert rt.batcher is not None
+        due = deadline(settings.request_timeout_s, timeout)
+        step = settings.max_batch_size
+        chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
+        futures = [rt.batcher.enqueue(c, due) for c in chunks]
+        work = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+        try:
+            done = await unless_disconnected(request, work)
+        finally:
+            for f in futures:
+                f.cancel()  # client gone or a sibling chunk failed: drop what has not started (no-op when done)
+        results = done if isinstance(done, list) else [done]
+        request.state.timing.set(max(r.queue_s for r in results), max(r.compute_s for r in results))
+        probs = softmax(np.concatenate([r.output for r in results]))
+        body = encode_response(name, rt.entry.labels or [], probs, top_k)
+    return Response(json.dumps(body), media_type="application/json")

@@ -1,0 +1,192 @@
+"""Server settings: one table of options, each settable on the command line or by environment variable.
+
+The command line wins over the environment (`MULTIMAX_SERVE_<OPTION>`), which wins over the default,
+so a container can be configured by environment alone and a person can still override one option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "MULTIMAX_SERVE_"
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _default_model_dir() -> Path:
+    import models  # not models.demo (DEMO_DIR): that imports torch, which `--help` should not wait for
+
+    return Path(models.__file__).resolve().parent / "demo"
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `create_app` needs; the defaults serve the shipped demo models on localhost."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_dir: Path = field(default_factory=_default_model_dir)
+    models: tuple[str, ...] = ()  # empty: every model found in model_dir
+    backend: str = "auto"
+    device: str = "auto"
+    torch_compile: bool = False
+    intra_op_threads: int = 0  # 0: the runtime's default (one per physical core)
+    inter_op_threads: int = 0
+    ort_providers: tuple[str, ...] = ()  # empty: probe the machine (TensorRT, CUDA, CPU)
+    ort_spinning: bool = False  # idle ORT threads spin for work: faster alone, steals CPU from the event loop
+    trt_plugin_lib: str = ""
+    # Classification: dynamic batching and admission control.
+    max_batch_size: int = 16
+    max_queue_delay_ms: float = 0.0  # 0: no waiting; batches still form from what arrives during a model call
+    max_queue_size: int = 256
+    request_timeout_s: float = 30.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    min_image_side: int = 8
+    max_images_per_request: int = 64
+    # Generation: continuous batching.
+    max_running_sequences: int = 16
+    max_waiting_sequences: int = 256
+    default_max_tokens: int = 16
+    max_prompts_per_request: int = 16
+    # Process.
+    graceful_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_image_pixels", "min_image_side",
+                    "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
+                    "max_prompts_per_request")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "graceful_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def replace(self, **changes: Any) -> Settings:
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self)} | changes)
+
+
+@dataclass(frozen=True)
+class _Option:
+    name: str  # Settings field
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str | None = None
+    choices: Sequence[str] | None = None
+
+
+OPTIONS: tuple[_Option, ...] = (
+    _Option("host", str, "interface to bind", "HOST"),
+    _Option("port", int, "TCP port", "PORT"),
+    _Option("model_dir", Path, "directory of models to serve: .onnx (ONNX Runtime), .engine/.plan (TensorRT), "
+            ".pt (PyTorch); the name of a model is its file name without the suffix", "DIR"),
+    _Option("models", _names, "comma-separated model names to serve (default: all in the directory)", "NAMES"),
+    _Option("backend", str, "backend for models with several files: auto prefers .onnx, then .pt, then an engine",
+            choices=BACKENDS),
+    _Option("device", str, "device for the PyTorch backend", choices=DEVICES),
+    _Option("torch_compile", _bool, "run PyTorch models through torch.compile", "BOOL"),
+    _Option("intra_op_threads", int, "threads inside one operator (0: runtime default)", "N"),
+    _Option("inter_op_threads", int, "threads across operators (0: runtime default)", "N"),
+    _Option("ort_providers", _names, "ONNX Runtime execution providers in order (default: probe the machine)",
+            "NAMES"),
+    _Option("ort_spinning", _bool, "let idle ONNX Runtime threads busy-wait for work (costs the event loop CPU)",
+            "BOOL"),
+    _Option("trt_plugin_lib", str, "shared library with the MultiMax TensorRT plugin", "PATH"),
+    _Option("max_batch_size", int, "classification: largest batch one model call takes", "N"),
+    _Option("max_queue_delay_ms", float, "classification: how long a batch may wait to fill once the model is idle "
+            "(0: start at once; requests arriving during a model call form the next batch)",
+            "MS"),
+    _Option("max_queue_size", int, "requests waiting per model before new ones get 429", "N"),
+    _Option("request_timeout_s", float, "per-request deadline (a request still queued then gets 504)", "S"),
+    _Option("max_body_bytes", int, "largest request body (413 beyond)", "BYTES"),
+    _Option("max_image_pixels", int, "largest image (width x height) that is decoded", "PIXELS"),
+    _Option("min_image_side", int, "smallest image side accepted", "PIXELS"),
+    _Option("max_images_per_request", int, "images in one classification request", "N"),
+    _Option("max_running_sequences", int, "generation: sequences decoded together (continuous batch size)", "N"),
+    _Option("max_waiting_sequences", int, "generation: sequences waiting for a slot before new ones get 429", "N"),
+    _Option("default_max_tokens", int, "generation: max_tokens when a request gives none (OpenAI: 16)", "N"),
+    _Option("max_prompts_per_request", int, "generation: prompts in one /v1/completions request", "N"),
+    _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
+    _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
+    _Option("access_log", _bool, "log every request", "BOOL"),
+)
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="Serve every model in a directory: image classification and text generation over HTTP "
+        "(OpenAI completions, KServe V2 / Triton protocol, Prometheus metrics).",
+        epilog=f"Every option can also be set by environment variable {ENV_PREFIX}<OPTION> "
+        f"(e.g. {env_name('port')}=9000); the command line wins.",
+    )
+    for opt in OPTIONS:
+        default = getattr(defaults, opt.name)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        kwargs: dict[str, Any] = {"dest": opt.name, "help": f"{opt.help} [env {env_name(opt.name)}; default {shown!s}]"}
+        if opt.choices:
+            kwargs["choices"] = opt.choices
+        else:
+            kwargs["metavar"] = opt.metavar
+        parser.add_argument("--" + opt.name.replace("_", "-"), type=opt.parse, **kwargs)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from defaults, then environment, then command line; exits 2 with one line on bad values."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        cli = getattr(args, opt.name)
+        if cli is not None:
+            values[opt.name] = cli
+        elif env_name(opt.name) in environ:
+            raw = environ[env_name(opt.name)]
+            try:
+                values[opt.name] = opt.parse(raw)
+            except ValueError as exc:
+                parser.error(f"{env_name(opt.name)}={raw!r}: {exc}")
+            if opt.choices and values[opt.name] not in opt.choices:
+                parser.error(f"{env_name(opt.name)}={raw!r}: choose from {', '.join(opt.choices)}")
+    try:
+        return Settings(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,124 @@
+"""One error type for everything a request can do wrong, and the two JSON shapes clients expect.
+
+OpenAI-style endpoints answer `{"error": {"message", "type", "param", "code"}}`; the KServe V2
+endpoints answer `{"error": "<message>"}` as that protocol specifies. Which shape is chosen by path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("service")
+
+# outcome label of the requests counter, by status
+OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 499: "cancelled"}
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ServiceError(Exception):
+    """A request that cannot be served as asked; `status` is the HTTP status it gets."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    @property
+    def outcome(self) -> str:
+        if self.status in OUTCOME_BY_STATUS:
+            return OUTCOME_BY_STATUS[self.status]
+        return "invalid_input" if self.status < 500 else "error"
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ServiceError:
+    return ServiceError(400, message, param=param, code=code)
+
+
+def openai_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+def is_kserve(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_response(path: str, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    body = {"error": message} if is_kserve(path) else openai_body(status, message, code, param)
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        return error_response(request.url.path, exc.status, exc.message, code=exc.code, param=exc.param,
+                              headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        from service.lifecycle import count_refused  # lifecycle imports this module
+
+        message, param = _validation_message(exc)
+        count_refused(request.app, request.url.path, 400)
+        return error_response(request.url.path, 400, message, code="invalid_value", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        from service.lifecycle import count_refused
+
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        code = "body_too_large" if exc.status_code == 413 else None
+        if exc.status_code != 404 and not getattr(exc, "counted", False):
+            count_refused(request.app, request.url.path, exc.status_code)  # refused before the endpoint ran
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(request.url.path, exc.status_code, message, code=code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}", code="internal_error")

@@ -1,0 +1,371 @@
+"""Continuous batching for one text model: one decode loop, sequences join and leave between steps.
+
+Each step runs in the model's worker thread and is either
+  * a prefill: the sequences admitted since the last step run their (left-padded) prompts in one call
+    with an empty cache; their caches are merged into the running batch (`service.kvcache.merge`); or
+  * a decode: every running sequence feeds its last sampled token; one token per sequence.
+Finished and cancelled sequences leave the batch at the start of the next step, and columns that are
+padding for every row are trimmed, so one long generation never holds up the others and a closed
+stream frees its slot at once. The event-loop side only moves results to the waiting endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from models.gpt import sample_next, stop_match
+from models.tokenizer import ByteTokenizer
+from service import kvcache
+from service.backends.base import Backend, Past
+from service.errors import ServiceError
+from service.metrics import Metrics
+
+log = logging.getLogger("service")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: tuple[bytes, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class GenSequence:
+    """One prompt's generation as the endpoint sees it; the scheduler fills it in between steps."""
+
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)  # text tokens so far (eos and a matched stop removed)
+    generated: int = 0  # tokens sampled, eos included (the usage count)
+    finish_reason: str | None = None  # "stop" | "length"
+    error: ServiceError | None = None
+    cancelled: bool = False
+    started: float | None = None  # prefill began
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # shared by the sequences of one request
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class _Row:
+    """Thread-side state of one sequence in the batch."""
+
+    seq: GenSequence
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    finish_reason: str | None = None
+    last: int = 0  # the sampled token not yet fed to the model
+
+    @property
+    def live(self) -> bool:
+        return self.finish_reason is None and not self.seq.cancelled
+
+
+@dataclass
+class _Update:
+    row: _Row
+    tokens: list[int]
+    generated: int
+    finish_reason: str | None
+
+
+class TextStream:
+    """Incremental detokenizer for streaming: whole UTF-8 characters only, and no byte that might still
+    turn out to be the start of a stop sequence (it is sent once the next tokens rule the stop out)."""
+
+    def __init__(self, tokenizer: ByteTokenizer, stops: Sequence[bytes]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.sent = 0  # bytes handed to the decoder
+
+    def _held_back(self, data: bytes) -> int:
+        held = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(data)), held, -1):
+                if data.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
+
+    def delta(self, tokens: Sequence[int], final: bool) -> str:
+        data = self.tokenizer.decode_bytes(tokens)
+        upto = len(data) if final else len(data) - self._held_back(data)
+        piece, self.sent = data[self.sent:max(upto, self.sent)], max(upto, self.sent)
+        return self.decoder.decode(piece, final=final)
+
+
+def _rng(seed: int | None) -> torch.Generator:
+    # A generator per sequence: its samples depend on its seed only, not on what else is in the batch.
+    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed % 2**64)
+
+
+def _as_torch(logits: Any) -> torch.Tensor:
+    if isinstance(logits, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(logits))
+    return logits.float().cpu()
+
+
+class TextScheduler:
+    def __init__(
+        self,
+        model: str,
+        backend: Backend,
+        tokenizer: ByteTokenizer,
+        context_length: int,
+        executor: Executor,
+        metrics: Metrics,
+        max_running: int,
+        max_waiting: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.executor = executor
+        self.metrics = metrics
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self._waiting: deque[GenSequence] = deque()
+        self._active: set[GenSequence] = set()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        # thread-side batch state
+        self._rows: list[_Row] = []
+        self._past: Past = []
+        self._mask = np.zeros((0, 0), np.int64)
+        self.steps = {"prefill": 0, "decode": 0}
+
+    # ---- endpoint side ----------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, seqs: Sequence[GenSequence]) -> None:
+        """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
+        if self._closing:
+            raise ServiceError(503, "server is shutting down", code="shutting_down")
+        if len(self._waiting) + len(seqs) > self.max_waiting:
+            raise ServiceError(429, f"model {self.model} has {len(self._waiting)} sequences waiting; retry later",
+                               code="queue_full", headers={"Retry-After": "1"})
+        for seq in seqs:
+            if seq.params.max_tokens == 0:  # nothing to generate: answer without touching the model
+                seq.finish_reason, seq.finished = "length", time.perf_counter()
+                seq.changed.set()
+                continue
+            self._waiting.append(seq)
+        self._gauges()
+        self._wake.set()
+
+    def cancel(self, seq: GenSequence) -> None:
+        """The client is gone: a waiting sequence leaves the queue, a running one leaves at the next step."""
+        if seq.done or seq.cancelled:
+            return
+        seq.cancelled = True
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(seq)
+        self._active.discard(seq)
+        self._gauges()
+        self._wake.set()
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    def _gauges(self) -> None:
+        self.metrics.running.labels(self.model).set(len(self._active))
+        self.metrics.waiting.labels(self.model).set(len(self._waiting))
+
+    # ---- loop --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{self.model}")
+
+    async def close(self) -> None:
+        """Refuse new sequences, finish the accepted ones, stop."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._active and not self._waiting and not self._rows:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            admitted: list[GenSequence] = []
+            while self._waiting and len(self._active) + len(admitted) < self.max_running:
+                admitted.append(self._waiting.popleft())
+            now = time.perf_counter()
+            for seq in admitted:
+                seq.started = now
+                self._active.add(seq)
+                self.metrics.queue_time.labels(self.model).observe(now - seq.arrival)
+            self._gauges()
+            try:
+                updates = await loop.run_in_executor(self.executor, self._step, admitted)
+            except Exception as exc:
+                log.exception("%s: generation step failed", self.model)
+                self._fail(admitted or list(self._active), exc)
+                continue
+            self._apply(updates)
+
+    def _fail(self, seqs: list[GenSequence], exc: Exception) -> None:
+        """A failed prefill fails the sequences it admitted; a failed decode fails the batch it ran."""
+        error = ServiceError(500, f"model failed during generation: {type(exc).__name__}", code="model_error")
+        failed = set(seqs)
+        for seq in seqs:
+            seq.error = error
+            self._active.discard(seq)
+            seq.changed.set()
+        # drop their rows (thread idle here: the step that failed has returned)
+        keep = [i for i, r in enumerate(self._rows) if r.seq not in failed]
+        if self._rows and len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            if self._rows:
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+            else:
+                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        self._gauges()
+
+    def _apply(self, updates: list[_Update]) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        for u in updates:
+            seq = u.row.seq
+            new = u.generated - seq.generated
+            if new <= 0:
+                continue
+            m.generation_tokens.labels(self.model).inc(new)
+            if seq.first_token is None:
+                seq.first_token = now
+                m.ttft.labels(self.model).observe(now - seq.arrival)
+            else:
+                m.itl.labels(self.model).observe(now - (seq.last_token or now))
+            seq.last_token = now
+            seq.tokens, seq.generated = u.tokens, u.generated
+            if u.finish_reason is not None:
+                seq.finished = now
+                seq.finish_reason = u.finish_reason
+                self._active.discard(seq)
+                m.e2e.labels(self.model).observe(now - seq.arrival)
+            seq.changed.set()
+        self._gauges()
+
+    # ---- worker thread ---------------------------------------------------------------------------------
+
+    def _step(self, admitted: list[GenSequence]) -> list[_Update]:
+        keep = [i for i, r in enumerate(self._rows) if r.live]
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            if self._rows:
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+            else:
+                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        admitted = [s for s in admitted if not s.cancelled]
+        if admitted:
+            return self._prefill(admitted)
+        if self._rows:
+            return self._decode()
+        return []
+
+    @torch.inference_mode()
+    def _prefill(self, seqs: list[GenSequence]) -> list[_Update]:
+        start = time.perf_counter()
+        longest = max(len(s.prompt) for s in seqs)
+        ids = np.zeros((len(seqs), longest), np.int64)  # the pad id is masked out: any id would do
+        mask = np.zeros((len(seqs), longest), np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, longest - len(s.prompt):] = s.prompt
+            mask[i, longest - len(s.prompt):] = 1
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        logits, presents = self.backend.run_text(ids, mask, positions, self.backend.empty_past(len(seqs)))
+        rows = [_Row(s, _rng(s.params.seed)) for s in seqs]
+        updates = self._sample(rows, _as_torch(logits[:, -1]))
+        if self._rows:
+            self._past, self._mask = kvcache.merge(self._past, self._mask, presents, mask)
+        else:
+            self._past, self._mask = presents, mask
+        self._rows.extend(rows)
+        self.steps["prefill"] += 1
+        self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
+        self.metrics.batch_size.labels(self.model, "prefill").observe(len(seqs))
+        self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in seqs))
+        return updates
+
+    @torch.inference_mode()
+    def _decode(self) -> list[_Update]:
+        start = time.perf_counter()
+        ids = np.array([[r.last] for r in self._rows], np.int64)
+        positions = self._mask.sum(axis=1, keepdims=True)  # real tokens so far = the new token's position
+        mask = np.concatenate([self._mask, np.ones((len(self._rows), 1), np.int64)], axis=1)
+        logits, self._past = self.backend.run_text(ids, mask, positions, self._past)
+        self._mask = mask
+        updates = self._sample(self._rows, _as_torch(logits[:, -1]))
+        self.steps["decode"] += 1
+        self.metrics.compute_time.labels(self.model, "decode").observe(time.perf_counter() - start)
+        self.metrics.batch_size.labels(self.model, "decode").observe(len(self._rows))
+        return updates
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[_Update]:
+        updates = []
+        tok = self.tokenizer
+        for i, row in enumerate(rows):
+            if not row.live:
+                continue
+            p = row.seq.params
+            greedy = p.temperature == 0 or p.top_p == 0
+            top_p = None if p.top_p >= 1 else p.top_p
+            token = int(sample_next(logits[i:i + 1], 0.0 if greedy else p.temperature, p.top_k, top_p,
+                                    row.generator)[0])
+            row.last = token
+            row.generated += 1
+            if token == tok.eos_id:
+                row.finish_reason = "stop"
+            else:
+                row.tokens.append(token)
+                keep = stop_match(row.tokens, p.stop, tok)
+                if keep is not None:
+                    del row.tokens[keep:]
+                    row.finish_reason = "stop"
+            if row.finish_reason is None and (row.generated >= p.max_tokens
+                                              or len(row.seq.prompt) + row.generated >= self.context_length):
+                row.finish_reason = "length"
+            updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason))
+        return updates

@@ -1,0 +1,122 @@
+"""Per-request bookkeeping shared by the endpoints: outcome metrics, deadlines, vanished clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from service.errors import OUTCOME_BY_STATUS, ServiceError
+from service.metrics import UNKNOWN_MODEL, Metrics
+
+T = TypeVar("T")
+
+
+class ClientGone(ServiceError):
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected", code="client_disconnected")
+
+
+class Tracker:
+    """Counts one request: pending while it runs, then its duration and outcome."""
+
+    def __init__(self, metrics: Metrics, model: str, endpoint: str) -> None:
+        self.metrics, self.model, self.endpoint = metrics, model, endpoint
+        self.start = time.perf_counter()
+        self.outcome: str | None = None
+
+    def finish(self, outcome: str) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.metrics.requests.labels(self.model, self.endpoint, outcome).inc()
+        self.metrics.request_duration.labels(self.model, self.endpoint).observe(time.perf_counter() - self.start)
+        self.metrics.pending.labels(self.model).dec()
+
+
+@contextlib.asynccontextmanager
+async def tracked(metrics: Metrics, model: str, endpoint: str, *, finish: bool = True) -> AsyncIterator[Tracker]:
+    """`finish=False`: a streaming endpoint finishes the tracker itself when its stream ends."""
+    tracker = Tracker(metrics, model, endpoint)
+    metrics.pending.labels(model).inc()
+    try:
+        yield tracker
+    except ServiceError as exc:
+        tracker.finish(exc.outcome)
+        raise
+    except HTTPException as exc:  # e.g. a body over the limit while it streams in, or a malformed multipart
+        tracker.finish(outcome_of(exc.status_code))
+        exc.counted = True  # type: ignore[attr-defined]  # the error handler must not count it again
+        raise
+    except asyncio.CancelledError:
+        tracker.finish("cancelled")
+        raise
+    except BaseException:
+        tracker.finish("error")
+        raise
+    if finish:
+        tracker.finish("success")
+
+
+def deadline(default_s: float, requested_s: float | None = None) -> float:
+    """perf_counter time by which the request must be answered (a request may shorten, not extend it)."""
+    seconds = default_s if requested_s is None else min(default_s, requested_s)
+    return time.perf_counter() + seconds
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: the next ASGI message is the disconnect (or the end of our response).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (so queued work is dropped before compute) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+def outcome_of(status: int) -> str:
+    return OUTCOME_BY_STATUS.get(status, "invalid_input" if status < 500 else "error")
+
+
+def endpoint_of(path: str, models: Any) -> tuple[str, str] | None:
+    """(model label, endpoint) of a model endpoint's path, for requests refused before the endpoint ran."""
+    parts = path.strip("/").split("/")
+    if path == "/v1/completions":
+        return UNKNOWN_MODEL, "completions"  # the model name was in the body that could not be read
+    if len(parts) == 4 and parts[:2] == ["v1", "models"] and parts[3] == "classify":
+        return (parts[2] if parts[2] in models else UNKNOWN_MODEL), "classify"
+    if len(parts) >= 4 and parts[:2] == ["v2", "models"] and parts[-1] == "infer":
+        return (parts[2] if parts[2] in models else UNKNOWN_MODEL), "infer"
+    return None
+
+
+def count_refused(app: Any, path: str, status: int) -> None:
+    """Count a request refused before its endpoint ran (body too large, body that fails validation)."""
+    runtimes = getattr(getattr(app, "state", None), "runtimes", None)
+    if runtimes is None:
+        return
+    labels = endpoint_of(path, runtimes.models)
+    if labels is not None:
+        runtimes.metrics.requests.labels(*labels, outcome_of(status)).inc()

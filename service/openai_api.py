@@ -1,0 +1,349 @@
+"""OpenAI-compatible endpoints: `GET /v1/models` and `POST /v1/completions` (with SSE streaming).
+
+Field names, defaults, the error shape and the stream format (`data: {chunk}` events ending in
+`data: [DONE]`) are OpenAI's, so the official client works unchanged. Options OpenAI has but this
+server cannot honour (n > 1, best_of, echo, logprobs, suffix, penalties, logit_bias) are refused with
+400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from models.gpt import stop_bytes
+from service.errors import ServiceError, bad_request, openai_body
+from service.generation import GenSequence, SamplingParams, TextStream
+from service.lifecycle import Tracker, tracked, unless_disconnected
+from service.runtime import ModelRuntime, Runtimes
+
+router = APIRouter(tags=["openai"])
+OWNER = "multimax-serve"
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = OWNER
+    task: str
+    backend: str
+    provider: str
+    context_length: int | None = None
+    labels: list[str] | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+Stop = Annotated[str, Field(max_length=256)]
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, metadata, ...) are ignored
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, a list of texts, or token ids (one list per prompt)")
+    max_tokens: int | None = Field(None, ge=0, description="default: 16 (or what fits the context)")
+    temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1, description="extension (vLLM): keep the k most likely tokens")
+    n: int | None = Field(1, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | list[Stop] | None = Field(None, description="up to 4 sequences; generation ends before them")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    echo: bool | None = Field(False, description="not supported: must be false")
+    logprobs: int | None = Field(None, description="not supported: must be null")
+    suffix: str | None = Field(None, description="not supported: must be null")
+    presence_penalty: float | None = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: float | None = Field(0.0, description="not supported: must be 0")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- models --------------------------------------------------------------------------------------------
+
+
+def model_card(rt: ModelRuntime) -> ModelCard:
+    entry = rt.entry
+    return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
+                     provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels)
+
+
+@router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")
+async def list_models(request: Request) -> ModelList:
+    runtimes: Runtimes = request.app.state.runtimes
+    return ModelList(data=[model_card(rt) for rt in runtimes.models.values()])
+
+
+@router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model")
+async def get_model(name: str, request: Request) -> ModelCard:
+    runtimes: Runtimes = request.app.state.runtimes
+    return model_card(runtimes.get(name))
+
+
+# ---- completions: decode request ------------------------------------------------------------------------
+
+
+def _unsupported(req: CompletionRequest) -> None:
+    checks = (
+        ("echo", bool(req.echo)),
+        ("logprobs", req.logprobs is not None),
+        ("suffix", req.suffix is not None),
+        ("presence_penalty", bool(req.presence_penalty)),
+        ("frequency_penalty", bool(req.frequency_penalty)),
+        ("logit_bias", bool(req.logit_bias)),
+    )
+    for param, used in checks:
+        if used:
+            raise bad_request(f"{param} is not supported by this server", param, code="unsupported_parameter")
+
+
+def _utf8(text: str) -> bool:
+    # JSON may carry lone surrogates ("\\ud800"), which no UTF-8 (hence no byte tokenizer) can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def prompts_of(req: CompletionRequest, rt: ModelRuntime, limit: int) -> list[list[int]]:
+    assert rt.tokenizer is not None
+    tok = rt.tokenizer
+    p = req.prompt
+    texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)]
+    if any(not _utf8(t) for t in texts):
+        raise bad_request("prompt is not valid Unicode (lone surrogate)", "prompt")
+    if isinstance(p, str):
+        prompts = [tok.encode(p)]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [tok.encode(x) for x in p]  # type: ignore[union-attr]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]  # type: ignore[arg-type]
+    else:
+        raise bad_request("prompt is empty", "prompt", code="empty_prompt")
+    if len(prompts) > limit:
+        raise bad_request(f"at most {limit} prompts per request, got {len(prompts)}", "prompt")
+    for i, ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise bad_request(f"{where} is empty: give at least one token", "prompt", code="empty_prompt")
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{where}: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
+                              "prompt")
+    return prompts
+
+
+def sampling_params(req: CompletionRequest, prompt_len: int, context: int, default_max: int) -> SamplingParams:
+    room = context - prompt_len
+    if room <= 0:
+        raise bad_request(f"this model's maximum context length is {context} tokens, and the prompt alone has "
+                          f"{prompt_len}", "prompt", code="context_length_exceeded")
+    if req.max_tokens is None:
+        max_tokens = min(default_max, room)
+    elif prompt_len + req.max_tokens > context:
+        raise bad_request(f"this model's maximum context length is {context} tokens; you requested "
+                          f"{prompt_len + req.max_tokens} ({prompt_len} in the prompt, {req.max_tokens} for the "
+                          "completion)", "max_tokens", code="context_length_exceeded")
+    else:
+        max_tokens = req.max_tokens
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > 4:
+        raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
+    if any(not _utf8(s) for s in stops):
+        raise bad_request("stop is not valid Unicode (lone surrogate)", "stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k,
+        stop=tuple(stop_bytes(stops)),
+        seed=req.seed,
+    )
+
+
+# ---- completions: encode response -------------------------------------------------------------------------
+
+
+def usage_of(seqs: list[GenSequence]) -> dict[str, int]:
+    prompt = sum(len(s.prompt) for s in seqs)
+    completion = sum(s.generated for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _timing(seqs: list[GenSequence], until: str) -> tuple[float, float]:
+    now = time.perf_counter()
+    queue = max((s.started or now) - s.arrival for s in seqs)
+    compute = max((getattr(s, until) or now) - (s.started or now) for s in seqs)
+    return queue, compute
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+@router.post("/v1/completions", response_model=Completion, summary="Text completion (OpenAI), streamed with SSE",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"}})
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    runtimes: Runtimes = request.app.state.runtimes
+    settings = runtimes.settings
+    async with tracked(runtimes.metrics, runtimes.label(req.model), "completions", finish=False) as tracker:
+        rt = runtimes.get(req.model, "text-generation")
+        _unsupported(req)
+        prompts = prompts_of(req, rt, settings.max_prompts_per_request)
+        assert rt.scheduler is not None and rt.tokenizer is not None
+        context = rt.scheduler.context_length
+        changed = asyncio.Event()
+        seqs = [GenSequence(p, sampling_params(req, len(p), context, settings.default_max_tokens), changed=changed)
+                for p in prompts]
+        rt.scheduler.submit(seqs)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name}
+        try:
+            if req.stream:
+                # Wait for the first token before answering: a failure until then is still a proper HTTP error,
+                # and Server-Timing can tell the queue time.
+                await unless_disconnected(request, _first_update(seqs, changed))
+                request.state.timing.set(*_timing(seqs, "first_token"))
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                stream = _stream(rt, seqs, changed, meta, include_usage, tracker)
+
+                def cleanup() -> None:
+                    for s in seqs:
+                        rt.scheduler.cancel(s)  # type: ignore[union-attr]
+                    tracker.finish("cancelled")  # no-op if the stream ended normally
+
+                return _SSEResponse(stream, cleanup)
+            await unless_disconnected(request, _all_done(seqs, changed))
+        except BaseException:
+            for s in seqs:
+                rt.scheduler.cancel(s)
+            raise
+        request.state.timing.set(*_timing(seqs, "finished"))
+        body = {
+            **meta,
+            "object": "text_completion",
+            "choices": [{"index": i, "text": rt.tokenizer.decode(s.tokens), "logprobs": None,
+                         "finish_reason": s.finish_reason} for i, s in enumerate(seqs)],
+            "usage": usage_of(seqs),
+        }
+        tracker.finish("success")
+    return Response(json.dumps(body), media_type="application/json")
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that releases its sequences however it ends, even when the client left before the first byte
+    (then the body generator never starts, and its own `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+def _raise_errors(seqs: list[GenSequence]) -> None:
+    for s in seqs:
+        if s.error is not None:
+            raise s.error
+
+
+async def _first_update(seqs: list[GenSequence], changed: asyncio.Event) -> None:
+    while not any(s.generated or s.done for s in seqs):
+        await changed.wait()
+        changed.clear()
+    _raise_errors(seqs)
+
+
+async def _all_done(seqs: list[GenSequence], changed: asyncio.Event) -> None:
+    while not all(s.done for s in seqs):
+        await changed.wait()
+        changed.clear()
+    _raise_errors(seqs)
+
+
+async def _stream(rt: ModelRuntime, seqs: list[GenSequence], changed: asyncio.Event, meta: dict[str, Any],
+                  include_usage: bool, tracker: Tracker) -> AsyncIterator[bytes]:
+    assert rt.scheduler is not None and rt.tokenizer is not None
+    streams = [TextStream(rt.tokenizer, s.params.stop) for s in seqs]
+    sent_finish = [False] * len(seqs)
+    base = {**meta, "object": "text_completion"}
+    outcome = "cancelled"  # unless the loop below runs to its end
+    try:
+        while True:
+            _raise_errors(seqs)
+            for i, (s, ts) in enumerate(zip(seqs, streams, strict=True)):
+                if sent_finish[i]:
+                    continue
+                finished = s.finish_reason is not None
+                text = ts.delta(s.tokens, final=finished)
+                if text or finished:
+                    chunk = {**base, "choices": [{"index": i, "text": text, "logprobs": None,
+                                                  "finish_reason": s.finish_reason}]}
+                    sent_finish[i] = finished
+                    if all(sent_finish) and not include_usage:
+                        chunk["usage"] = usage_of(seqs)  # usage counts even for clients that did not ask
+                    yield _sse(chunk)
+            if all(sent_finish):
+                break
+            await changed.wait()
+            changed.clear()
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage_of(seqs)})
+        yield b"data: [DONE]\n\n"
+        outcome = "success"
+    except ServiceError as exc:
+        outcome = exc.outcome
+        yield _sse(openai_body(exc.status, exc.message, exc.code))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for s in seqs:
+            rt.scheduler.cancel(s)  # a closed stream frees its slot now (no-op for finished sequences)
+        tracker.finish(outcome)

@@ -1,0 +1,160 @@
+"""The model directory: which files become which served models, on which backend.
+
+A model is a file stem. `x.onnx` runs on ONNX Runtime, `x.engine`/`x.plan` on TensorRT, `x.pt` on
+PyTorch. When several exist for one stem, `--backend` picks; `auto` prefers ONNX, then the checkpoint,
+then an engine (an engine carries no metadata, so a sibling .onnx/.pt or `x.json` must describe it).
+A file that fails to load is logged and skipped: one broken model never keeps the others offline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.backends.base import Backend, BackendUnavailable
+from service.config import Settings
+
+log = logging.getLogger("service")
+
+TASKS = {"deit": "image-classification", "gpt": "text-generation"}
+SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}
+AUTO_ORDER = ("onnxruntime", "torch", "tensorrt")
+
+
+class RegistryError(RuntimeError):
+    """The directory cannot be served at all (one line for the user)."""
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    arch: str
+    backend: Backend
+    config: dict[str, Any]
+    labels: list[str] | None = None
+    preprocess: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def task(self) -> str:
+        return TASKS[self.arch]
+
+    @property
+    def context_length(self) -> int | None:
+        return int(self.config["block_size"]) if self.arch == "gpt" else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"task": self.task, **self.backend.describe()}
+
+
+def scan(model_dir: Path) -> dict[str, dict[str, Path]]:
+    """stem -> {backend kind: file}, in name order."""
+    if not model_dir.is_dir():
+        raise RegistryError(f"model directory {model_dir} does not exist or is not a directory")
+    found: dict[str, dict[str, Path]] = {}
+    for path in sorted(model_dir.iterdir()):
+        kind = SUFFIXES.get(path.suffix)
+        if kind and path.is_file():
+            found.setdefault(path.stem, {}).setdefault(kind, path)
+    return found
+
+
+def choose(files: dict[str, Path], wanted: str) -> str | None:
+    if wanted != "auto" and wanted in files:
+        return wanted
+    return next((k for k in AUTO_ORDER if k in files and (k != "tensorrt" or wanted in ("auto", "tensorrt"))), None)
+
+
+def _engine_metadata(name: str, files: dict[str, Path], model_dir: Path) -> dict[str, Any]:
+    sidecar = model_dir / f"{name}.json"
+    if sidecar.is_file():
+        return json.loads(sidecar.read_text())
+    if "onnxruntime" in files:
+        import onnx
+
+        proto = onnx.load(str(files["onnxruntime"]), load_external_data=False)
+        return {p.key.removeprefix("multimax."): json.loads(p.value) for p in proto.metadata_props
+                if p.key.startswith("multimax.")}
+    if "torch" in files:
+        from models.checkpoint import parse, read_file
+
+        ckpt, _ = parse(read_file(files["torch"]), str(files["torch"]))
+        return {"arch": ckpt.arch, "config": ckpt.config, "labels": ckpt.labels, "preprocess": ckpt.preprocess,
+                "tokenizer": ckpt.tokenizer}
+    raise BackendUnavailable(f"{name}: an engine needs {name}.onnx, {name}.pt or {name}.json beside it for its "
+                             "labels and preprocessing")
+
+
+def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings) -> ModelEntry:
+    path = files[kind]
+    if kind == "onnxruntime":
+        from service.backends.onnxruntime import OnnxRuntimeBackend
+
+        ort_backend = OnnxRuntimeBackend(path, settings.intra_op_threads, settings.inter_op_threads,
+                                         settings.ort_providers, settings.ort_spinning)
+        meta = ort_backend.metadata
+        backend: Backend = ort_backend
+    elif kind == "torch":
+        from service.backends.torch import TorchBackend
+
+        torch_backend = TorchBackend(path, settings.device, settings.torch_compile, settings.intra_op_threads)
+        ckpt = torch_backend.checkpoint
+        meta = {"arch": ckpt.arch, "config": ckpt.config, "labels": ckpt.labels, "preprocess": ckpt.preprocess,
+                "tokenizer": ckpt.tokenizer}
+        backend = torch_backend
+    else:
+        from service.backends.tensorrt import TensorRTBackend
+
+        meta = _engine_metadata(name, files, settings.model_dir)
+        backend = TensorRTBackend(path, str(meta.get("arch")), settings.trt_plugin_lib)
+    arch = meta.get("arch")
+    if arch not in TASKS:
+        raise BackendUnavailable(f"{path.name}: no multimax.arch metadata (got {arch!r}); not a MultiMax export?")
+    if arch == "deit" and not (meta.get("labels") and meta.get("preprocess")):
+        raise BackendUnavailable(f"{path.name}: a vision model needs labels and preprocess metadata")
+    if arch == "gpt" and not meta.get("tokenizer"):
+        raise BackendUnavailable(f"{path.name}: a text model needs tokenizer metadata")
+    return ModelEntry(name, arch, backend, dict(meta.get("config") or {}), meta.get("labels"), meta.get("preprocess"),
+                      meta.get("tokenizer"))
+
+
+def load_registry(settings: Settings) -> dict[str, ModelEntry]:
+    """Every servable model in settings.model_dir (restricted to settings.models if given)."""
+    found = scan(settings.model_dir)
+    if settings.models:
+        missing = [m for m in settings.models if m not in found]
+        if missing:
+            raise RegistryError(f"model(s) {', '.join(missing)} not found in {settings.model_dir} "
+                                f"(found: {', '.join(found) or 'none'})")
+        found = {m: found[m] for m in settings.models}
+    if settings.backend == "tensorrt":
+        from service.backends.probe import tensorrt_available
+
+        why = tensorrt_available()
+        if why:
+            raise RegistryError(f"--backend tensorrt: {why}")
+    entries: dict[str, ModelEntry] = {}
+    for name, files in found.items():
+        kind = choose(files, settings.backend)
+        if kind is None:
+            log.warning("%s: no file for backend %s, skipped", name, settings.backend)
+            continue
+        if settings.backend not in ("auto", kind):
+            log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
+        start = time.perf_counter()
+        try:
+            entries[name] = load_model(name, kind, files, settings)
+        except (BackendUnavailable, OSError, ValueError, KeyError) as exc:
+            log.error("%s: not served: %s", name, exc)
+            continue
+        entry = entries[name]
+        log.info("loaded %s (%s, %s on %s) in %.2f s", name, entry.task, entry.backend.kind,
+                 entry.backend.provider, time.perf_counter() - start)
+    if not entries:
+        raise RegistryError(f"no servable model in {settings.model_dir} (see the log for why)")
+    return entries

@@ -1,0 +1,109 @@
+"""What runs per served model: its backend, a worker thread, and its batcher or decode loop."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.tokenizer import ByteTokenizer
+from service.batcher import DynamicBatcher
+from service.config import Settings
+from service.errors import ServiceError
+from service.generation import TextScheduler
+from service.metrics import UNKNOWN_MODEL, Metrics
+from service.registry import ModelEntry
+from service.vision import Preprocess
+
+log = logging.getLogger("service")
+ENDPOINTS = {"image-classification": ("classify", "infer"), "text-generation": ("completions", "infer")}
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    entry: ModelEntry
+    executor: ThreadPoolExecutor  # one thread: the model computes one call at a time, off the event loop
+    batcher: DynamicBatcher | None = None
+    scheduler: TextScheduler | None = None
+    preprocess: Preprocess | None = None
+    tokenizer: ByteTokenizer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def task(self) -> str:
+        return self.entry.task
+
+    def predict(self, pixel_values: np.ndarray) -> np.ndarray:
+        """The batch's logits (float32); classification turns them into probabilities with `softmax`."""
+        return self.entry.backend.run_vision(pixel_values).astype(np.float32, copy=False)
+
+
+class Runtimes:
+    """Every served model's runtime; started and stopped with the app (its lifespan)."""
+
+    def __init__(self, entries: dict[str, ModelEntry], settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.models: dict[str, ModelRuntime] = {}
+        self.ready = False
+        for name, entry in entries.items():
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{name}")
+            rt = ModelRuntime(entry, executor)
+            if entry.arch == "deit":
+                rt.preprocess = Preprocess.from_metadata(entry.preprocess or {})
+            else:
+                rt.tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
+            self.models[name] = rt
+            metrics.init_model(name, ENDPOINTS[entry.task])
+
+    def start(self) -> None:
+        s = self.settings
+        for rt in self.models.values():
+            if rt.task == "image-classification":
+                rt.batcher = DynamicBatcher(rt.name, rt.predict, rt.executor, self.metrics, s.max_batch_size,
+                                            s.max_queue_delay_ms / 1000, s.max_queue_size)
+                rt.batcher.start()
+            else:
+                assert rt.tokenizer is not None and rt.entry.context_length is not None
+                rt.scheduler = TextScheduler(rt.name, rt.entry.backend, rt.tokenizer, rt.entry.context_length,
+                                             rt.executor, self.metrics, s.max_running_sequences,
+                                             s.max_waiting_sequences)
+                rt.scheduler.start()
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Finish queued and running work (new work is refused meanwhile), then release the models."""
+        self.ready = False
+        for rt in self.models.values():
+            if rt.batcher is not None:
+                await rt.batcher.close()
+            if rt.scheduler is not None:
+                await rt.scheduler.close()
+        for rt in self.models.values():
+            rt.executor.shutdown(wait=True)
+            rt.entry.backend.close()
+
+    def get(self, name: str, task: str | None = None) -> ModelRuntime:
+        rt = self.models.get(name)
+        if rt is None:
+            raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
+                               code="model_not_found", param="model")
+        if task is not None and rt.task != task:
+            raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {task}", code="wrong_task",
+                               param="model")
+        return rt
+
+    def label(self, name: str) -> str:
+        """The metrics label for a model name from a request (unknown names share one label)."""
+        return name if name in self.models else UNKNOWN_MODEL
