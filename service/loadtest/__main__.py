@@ -1,0 +1,5 @@
+import sys
+
+from service.loadtest.cli import main
+
+sys.exit(main())
