@@ -87,7 +87,9 @@ def find_knee(loads: Sequence[float], throughputs: Sequence[float], latencies: S
         return Knee(None, "one point: no knee to find", steps)
     if throughputs[0] <= 0:
         return Knee(None, "no successful requests at the first point", steps)
-    return Knee(None, "throughput kept scaling: not saturated within the sweep (extend it)", steps)
+    last = steps[-1]
+    gained = "" if last["scaling"] is None else f" (its throughput still scaled by {last['scaling']:.2f} of the step)"
+    return Knee(None, f"no saturated step up to {last['to']:g}{gained}: extend the sweep", steps)
 
 
 @dataclass
