@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from export.cli import main as export_main
+from export.validate import cpu_session
 from models.checkpoint import load
 from models.cli import main as models_main
 from models.demo import DEMO_DIR, VISION_MULTIMAX
@@ -64,14 +65,9 @@ def interleaved(contenders: dict[str, Callable[[], object]], rounds: int, calls:
     }
 
 
-def session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            threads: int = 0) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = level
-    options.intra_op_num_threads = threads
+def session(path: Path) -> ort.InferenceSession:
     # Idle ORT threads spin for a while after each run; side by side with PyTorch that steals its cores.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return cpu_session(path, spinning=False)
 
 
 def make_checkpoints(tmp: Path) -> tuple[Path, Path]:

@@ -122,7 +122,7 @@ def validate_vision(
     bar = tqdm(total=len(LEVELS) * len(batches), desc="validate", disable=not progress, unit="batch")
     failures: list[str] = []
     for name, level in LEVELS.items():
-        session = _ort_session(path, level)
+        session = cpu_session(path, level)
         diffs, rels, agree, nans = [], [], 0, 0
         for x, ref in zip(batches, refs, strict=True):
             out = session.run([VISION_OUTPUT], {VISION_INPUT: x.numpy()})[0]
@@ -153,9 +153,14 @@ def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key:
     return out
 
 
-def _ort_session(path: Path, level: ort.GraphOptimizationLevel) -> ort.InferenceSession:
+def cpu_session(
+    path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL, spinning: bool = True
+) -> ort.InferenceSession:
+    """An onnxruntime CPU session; `spinning=False` stops idle threads busy-waiting after each run."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -236,7 +241,7 @@ def validate_text(
     bar = tqdm(total=len(LEVELS) * samples + prompts, desc="validate", disable=not progress, unit="case")
     failures: list[str] = []
     for name, level in LEVELS.items():
-        session = _ort_session(path, level)
+        session = cpu_session(path, level)
         logit_diffs, logit_rels, kv_diffs, nans, agree, rows = [], [], [], 0, 0, 0
         for feed, refs in cases:
             outs = session.run(output_names, feed)
@@ -253,7 +258,7 @@ def validate_text(
             "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
         }
         failures += _failures(name, report[name], tolerance, "next_token_agreement")
-    session = _ort_session(path, LEVELS["ORT_ENABLE_ALL"])
+    session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
     identical = 0
     for _ in range(prompts):
         prompt = [int(v) for v in rng.integers(32, 127, int(rng.integers(1, 17)))]  # printable ASCII
