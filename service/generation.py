@@ -26,12 +26,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from models.gpt import sample_next, stop_match
+from models.gpt import stop_match
 from models.tokenizer import ByteTokenizer
 from service import kvcache
 from service.backends.base import Backend, Past
 from service.errors import ServiceError
 from service.metrics import Metrics
+from service.sampling import NonFiniteLogits, sample_token
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -79,11 +80,12 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     generated: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # this sequence failed (its batch-mates go on)
     last: int = 0  # the sampled token not yet fed to the model
 
     @property
     def live(self) -> bool:
-        return self.finish_reason is None and not self.seq.cancelled
+        return self.finish_reason is None and self.error is None and not self.seq.cancelled
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Update:
     tokens: list[int]
     generated: int
     finish_reason: str | None
+    error: str | None = None
 
 
 class TextStream:
@@ -269,6 +272,11 @@ class TextScheduler:
         m = self.metrics
         for u in updates:
             seq = u.row.seq
+            if u.error is not None:
+                seq.error = ServiceError(500, u.error, code="model_error")
+                self._active.discard(seq)
+                seq.changed.set()
+                continue
             new = u.generated - seq.generated
             if new <= 0:
                 continue
@@ -300,10 +308,49 @@ class TextScheduler:
                 self._past, self._mask = [], np.zeros((0, 0), np.int64)
         admitted = [s for s in admitted if not s.cancelled]
         if admitted:
-            return self._prefill(admitted)
+            return self._prefill_isolated(admitted)
         if self._rows:
-            return self._decode()
+            try:
+                return self._decode()
+            except Exception:
+                log.exception("%s: decode step of %d sequences failed; stepping them one by one", self.model,
+                              len(self._rows))
+                return self._decode_one_by_one()
         return []
+
+    def _prefill_isolated(self, seqs: list[GenSequence]) -> list[_Update]:
+        """A prefill that fails is redone one sequence at a time: only the sequence that breaks it fails."""
+        try:
+            return self._prefill(seqs)
+        except Exception as exc:
+            if len(seqs) == 1:
+                return [self._failed(_Row(seqs[0], _rng(0)), exc)]
+            log.exception("%s: prefill of %d sequences failed; prefilling them one by one", self.model, len(seqs))
+        return [u for s in seqs for u in self._prefill_isolated([s])]
+
+    @torch.inference_mode()
+    def _decode_one_by_one(self) -> list[_Update]:
+        """Each row's decode step on its own cache; the rows that succeed form the batch again."""
+        updates: list[_Update] = []
+        kept: list[tuple[_Row, Past, np.ndarray]] = []
+        for i, row in enumerate(self._rows):
+            past, mask = kvcache.select(self._past, self._mask, [i])
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            try:
+                logits, presents = self.backend.run_text(np.array([[row.last]], np.int64), mask,
+                                                         mask[:, :-1].sum(axis=1, keepdims=True), past)
+            except Exception as exc:
+                updates.append(self._failed(row, exc))
+                continue
+            updates.extend(self._sample([row], _as_torch(logits[:, -1])))
+            kept.append((row, presents, mask))
+        self._rows = [row for row, _, _ in kept]
+        self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        for n, (_, presents, mask) in enumerate(kept):
+            self._past, self._mask = (presents, mask) if n == 0 else kvcache.merge(self._past, self._mask,
+                                                                                  presents, mask)
+        self.steps["decode"] += 1
+        return updates
 
     @torch.inference_mode()
     def _prefill(self, seqs: list[GenSequence]) -> list[_Update]:
@@ -350,10 +397,11 @@ class TextScheduler:
             if not row.live:
                 continue
             p = row.seq.params
-            greedy = p.temperature == 0 or p.top_p == 0
-            top_p = None if p.top_p >= 1 else p.top_p
-            token = int(sample_next(logits[i:i + 1], 0.0 if greedy else p.temperature, p.top_k, top_p,
-                                    row.generator)[0])
+            try:
+                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator)
+            except Exception as exc:  # this row's numbers went bad: it ends, its batch-mates go on
+                updates.append(self._failed(row, exc))
+                continue
             row.last = token
             row.generated += 1
             if token == tok.eos_id:
@@ -369,3 +417,9 @@ class TextScheduler:
                 row.finish_reason = "length"
             updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason))
         return updates
+
+    def _failed(self, row: _Row, exc: Exception) -> _Update:
+        log.warning("%s: one sequence failed and leaves the batch: %s: %s", self.model, type(exc).__name__, exc)
+        row.error = str(exc) if isinstance(exc, NonFiniteLogits) else f"model failed on this sequence: " \
+            f"{type(exc).__name__}"
+        return _Update(row, list(row.tokens), row.generated, None, row.error)
