@@ -14,7 +14,7 @@ from service.config import Settings
 from service.errors import install_handlers
 from service.metrics import Metrics
 from service.middleware import BodyLimit, ServerTiming
-from service.registry import load_registry
+from service.registry import load_models
 from service.runtime import Runtimes
 
 log = logging.getLogger("service")
@@ -25,7 +25,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     decode loops start with the app's lifespan and drain when it ends."""
     settings = settings or Settings()
     metrics = Metrics()
-    runtimes = Runtimes(load_registry(settings), settings, metrics)
+    entries, skipped = load_models(settings)
+    runtimes = Runtimes(entries, settings, metrics, skipped)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

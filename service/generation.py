@@ -15,6 +15,7 @@ import asyncio
 import codecs
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -31,6 +32,7 @@ from models.tokenizer import ByteTokenizer
 from service import kvcache
 from service.backends.base import Backend, Past
 from service.errors import ServiceError
+from service.health import Health
 from service.metrics import Metrics
 from service.sampling import NonFiniteLogits, sample_token
 
@@ -164,6 +166,8 @@ class TextScheduler:
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
         self.steps = {"prefill": 0, "decode": 0}
+        self.health = Health()
+        self._seq_seconds = 0.1  # moving average of one sequence's time in the batch (for Retry-After)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -175,13 +179,27 @@ class TextScheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, seqs: Sequence[GenSequence]) -> None:
-        """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
+    @property
+    def problem(self) -> str | None:
+        return self.health.problem(self._task, self._closing)
+
+    def check_room(self, n: int = 1) -> None:
+        """503 while shutting down, 429 with Retry-After when `n` more sequences would not fit the waiting room;
+        cheap, so the endpoint calls it before reading a request's body."""
         if self._closing:
             raise ServiceError(503, "server is shutting down", code="shutting_down")
-        if len(self._waiting) + len(seqs) > self.max_waiting:
+        if len(self._waiting) + n > self.max_waiting:
             raise ServiceError(429, f"model {self.model} has {len(self._waiting)} sequences waiting; retry later",
-                               code="queue_full", headers={"Retry-After": "1"})
+                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Whole seconds until a slot frees up for the queue's tail: the rounds of the running batch ahead of it
+        times the measured time a sequence spends in the batch."""
+        return max(1, math.ceil((len(self._waiting) / self.max_running + 1) * self._seq_seconds))
+
+    def submit(self, seqs: Sequence[GenSequence]) -> None:
+        """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
+        self.check_room(len(seqs))
         for seq in seqs:
             if seq.params.max_tokens == 0:  # nothing to generate: answer without touching the model
                 seq.finish_reason, seq.finished = "length", time.perf_counter()
@@ -252,6 +270,7 @@ class TextScheduler:
     def _fail(self, seqs: list[GenSequence], exc: Exception) -> None:
         """A failed prefill fails the sequences it admitted; a failed decode fails the batch it ran."""
         error = ServiceError(500, f"model failed during generation: {type(exc).__name__}", code="model_error")
+        self.health.failed(error.message)
         failed = set(seqs)
         for seq in seqs:
             seq.error = error
@@ -273,6 +292,7 @@ class TextScheduler:
         for u in updates:
             seq = u.row.seq
             if u.error is not None:
+                self.health.failed(u.error)
                 seq.error = ServiceError(500, u.error, code="model_error")
                 self._active.discard(seq)
                 seq.changed.set()
@@ -281,6 +301,7 @@ class TextScheduler:
             if new <= 0:
                 continue
             m.generation_tokens.labels(self.model).inc(new)
+            self.health.succeeded()
             if seq.first_token is None:
                 seq.first_token = now
                 m.ttft.labels(self.model).observe(now - seq.arrival)
@@ -292,6 +313,8 @@ class TextScheduler:
                 seq.finished = now
                 seq.finish_reason = u.finish_reason
                 self._active.discard(seq)
+                if seq.started is not None:
+                    self._seq_seconds = 0.9 * self._seq_seconds + 0.1 * (now - seq.started)
                 m.e2e.labels(self.model).observe(now - seq.arrival)
             seq.changed.set()
         self._gauges()
