@@ -9,6 +9,7 @@ import uvicorn
 
 from service.config import load_settings
 from service.registry import RegistryError
+from service.slowclient import header_timeout_protocol
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests and streams finish (up to
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.access_log, timeout_graceful_shutdown=settings.graceful_timeout_s)
+                access_log=settings.access_log, timeout_graceful_shutdown=settings.graceful_timeout_s,
+                http=header_timeout_protocol(settings.header_timeout_s))
     return 0
 
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from service.errors import ServiceError, bad_request
+from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
 from service.lifecycle import deadline, tracked, unless_disconnected
 from service.runtime import ModelRuntime, Runtimes, softmax
@@ -179,7 +179,8 @@ def query_params(request: Request) -> tuple[int, float | None]:
 
 @router.post("/v1/models/{name}/classify", openapi_extra=OPENAPI_BODY | {"parameters": QUERY_PARAMETERS},
              response_class=Response,
-             responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"}},
+             responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"},
+                        **error_responses(False, MODEL_CALL)},
              summary="Classify images: top-k labels with probabilities")
 async def classify(name: str, request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes

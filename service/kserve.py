@@ -17,7 +17,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import ServiceError
+from service.errors import LOOKUP, MODEL_CALL, ServiceError, error_responses
 from service.jsonio import NonFiniteOutput, check_size, dumps, loads, non_finite_error
 from service.lifecycle import deadline, tracked, unless_disconnected
 from service.runtime import ModelRuntime, Runtimes
@@ -71,6 +71,9 @@ OPENAPI_INFER: dict[str, Any] = {
 }
 
 
+LOOKUP_404 = error_responses(True, LOOKUP)[404]
+
+
 def bad(message: str) -> ServiceError:
     return ServiceError(400, message, code="invalid_tensor")
 
@@ -119,7 +122,13 @@ async def live() -> Response:
     return _json({"live": True})
 
 
-@router.get("/v2/health/ready", summary="Readiness: started, not shutting down, and every served model's worker "
+_NOT_READY = {"description": "not ready, with the reason", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["ready"],
+    "properties": {"ready": {"type": "boolean"}, "reason": {"type": "string"}, "name": {"type": "string"}}}}}}
+
+
+@router.get("/v2/health/ready", responses={503: _NOT_READY},
+            summary="Readiness: started, not shutting down, and every served model's worker "
             "alive and not failing (models that failed to load are listed, but do not count)")
 async def ready(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
@@ -133,7 +142,8 @@ async def ready(request: Request) -> Response:
     return _json(body, 200 if ok else 503)
 
 
-@router.post("/v2/repository/index", summary="Every model of the model directory, ready or not, with why not "
+@router.post("/v2/repository/index", responses=error_responses(True, (400, 413)),
+             summary="Every model of the model directory, ready or not, with why not "
              "(Triton's model repository extension)")
 async def repository_index(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
@@ -151,8 +161,9 @@ async def repository_index(request: Request) -> Response:
     return _json(rows)
 
 
-@router.get("/v2/models/{name}", summary="Model metadata")
-@router.get("/v2/models/{name}/versions/{version}", summary="Model metadata (one version)")
+@router.get("/v2/models/{name}", summary="Model metadata", responses=error_responses(True, LOOKUP))
+@router.get("/v2/models/{name}/versions/{version}", summary="Model metadata (one version)",
+            responses=error_responses(True, LOOKUP))
 async def model_metadata(name: str, request: Request, version: str | None = None) -> Response:
     rt = _model(request, name, version)
     inputs, outputs = io_spec(rt)
@@ -162,8 +173,9 @@ async def model_metadata(name: str, request: Request, version: str | None = None
                   "inputs": inputs, "outputs": outputs})
 
 
-@router.get("/v2/models/{name}/ready", summary="Model readiness")
-@router.get("/v2/models/{name}/versions/{version}/ready", summary="Model readiness (one version)")
+@router.get("/v2/models/{name}/ready", summary="Model readiness", responses={400: _NOT_READY, 404: LOOKUP_404})
+@router.get("/v2/models/{name}/versions/{version}/ready", summary="Model readiness (one version)",
+            responses={400: _NOT_READY, 404: LOOKUP_404})
 async def model_ready(name: str, request: Request, version: str | None = None) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     if name in runtimes.skipped and version in (None, "", VERSION):
@@ -176,8 +188,10 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
     return _json(body, 200 if problem is None else 400)
 
 
-@router.get("/v2/models/{name}/config", summary="Model configuration (Triton's extension)")
-@router.get("/v2/models/{name}/versions/{version}/config", summary="Model configuration (one version)")
+@router.get("/v2/models/{name}/config", summary="Model configuration (Triton's extension)",
+            responses=error_responses(True, LOOKUP))
+@router.get("/v2/models/{name}/versions/{version}/config", summary="Model configuration (one version)",
+            responses=error_responses(True, LOOKUP))
 async def model_config(name: str, request: Request, version: str | None = None) -> Response:
     rt = _model(request, name, version)
     settings = request.app.state.runtimes.settings
@@ -471,8 +485,10 @@ def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str,
 
 
 @router.post("/v2/models/{name}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
+             responses=error_responses(True, MODEL_CALL),
              summary="Inference (JSON tensors or the binary-data extension)")
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
+             responses=error_responses(True, MODEL_CALL),
              summary="Inference on one version")
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     runtimes: Runtimes = request.app.state.runtimes

@@ -23,7 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.gpt import stop_bytes
-from service.errors import ServiceError, bad_request, openai_body
+from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
 from service.jsonio import check_size, loads
 from service.lifecycle import Tracker, count_refused, tracked, unless_disconnected
@@ -118,7 +118,8 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[model_card(rt) for rt in runtimes.models.values()])
 
 
-@router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model")
+@router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model",
+            responses=error_responses(False, LOOKUP))
 async def get_model(name: str, request: Request) -> ModelCard:
     runtimes: Runtimes = request.app.state.runtimes
     return model_card(runtimes.get(name))
@@ -295,7 +296,8 @@ def _text_models_full(runtimes: Runtimes) -> None:
 
 @router.post("/v1/completions", response_model=Completion, summary="Text completion (OpenAI), streamed with SSE",
              openapi_extra=COMPLETION_BODY,
-             responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"}})
+             responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"},
+                        **error_responses(False, MODEL_CALL)})
 async def completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
