@@ -82,7 +82,7 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._batch_seconds = 0.01  # moving average of one model call
+        self._batch_seconds: float | None = None  # moving average of one model call (None: none measured yet)
         self.health = Health()
 
     # ---- producer side (endpoints) ---------------------------------------------------------------------
@@ -138,7 +138,7 @@ class DynamicBatcher:
 
     def _estimated_wait(self) -> float:
         """Seconds until the queue has room: the batches ahead times the recent batch time (for Retry-After)."""
-        return (len(self._queue) / self.max_batch_size + 1) * self._batch_seconds
+        return (len(self._queue) / self.max_batch_size + 1) * (self._batch_seconds or 0.0)
 
     # ---- worker side -------------------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class DynamicBatcher:
                  rows: int) -> None:
         self.health.succeeded()
         self.metrics.compute_time.labels(self.model, "classify").observe(compute_s)
-        self._batch_seconds = 0.9 * self._batch_seconds + 0.1 * compute_s
+        self._batch_seconds = compute_s if self._batch_seconds is None else 0.9 * self._batch_seconds + 0.1 * compute_s
         self.metrics.batch_size.labels(self.model, "classify").observe(rows)
         for item, out in zip(batch, outputs, strict=True):
             if item.timer is not None:

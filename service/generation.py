@@ -167,7 +167,7 @@ class TextScheduler:
         self._mask = np.zeros((0, 0), np.int64)
         self.steps = {"prefill": 0, "decode": 0}
         self.health = Health()
-        self._seq_seconds = 0.1  # moving average of one sequence's time in the batch (for Retry-After)
+        self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ class TextScheduler:
     def retry_after(self) -> int:
         """Whole seconds until a slot frees up for the queue's tail: the rounds of the running batch ahead of it
         times the measured time a sequence spends in the batch."""
-        return max(1, math.ceil((len(self._waiting) / self.max_running + 1) * self._seq_seconds))
+        return max(1, math.ceil((len(self._waiting) / self.max_running + 1) * (self._seq_seconds or 0.0)))
 
     def submit(self, seqs: Sequence[GenSequence]) -> None:
         """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
@@ -314,7 +314,8 @@ class TextScheduler:
                 seq.finish_reason = u.finish_reason
                 self._active.discard(seq)
                 if seq.started is not None:
-                    self._seq_seconds = 0.9 * self._seq_seconds + 0.1 * (now - seq.started)
+                    took = now - seq.started
+                    self._seq_seconds = took if self._seq_seconds is None else 0.9 * self._seq_seconds + 0.1 * took
                 m.e2e.labels(self.model).observe(now - seq.arrival)
             seq.changed.set()
         self._gauges()
