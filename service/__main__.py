@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
@@ -11,11 +12,18 @@ from service.config import load_settings
 from service.registry import RegistryError
 from service.slowclient import header_timeout_protocol
 
+SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.0005"))
+
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from service.app import create_app
+
+    # The model threads need the GIL back between (and, for PyTorch, inside) their steps; with the default 5 ms
+    # switch interval an event loop kept busy by a flood of requests (even ones refused with 429) makes every
+    # decode step wait several intervals. A shorter interval bounds that wait (see the starvation benchmark).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     try:
         app = create_app(settings)
