@@ -38,6 +38,7 @@ from service.sampling import NonFiniteLogits, sample_token
 
 log = logging.getLogger("service")
 T = TypeVar("T")
+STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back to the event loop
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class TextScheduler:
         self._mask = np.zeros((0, 0), np.int64)
         self.steps = {"prefill": 0, "decode": 0}
         self.health = Health()
+        self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
         self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
@@ -208,6 +210,7 @@ class TextScheduler:
             self._waiting.append(seq)
         self._gauges()
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
 
     def cancel(self, seq: GenSequence) -> None:
         """The client is gone: a waiting sequence leaves the queue, a running one leaves at the next step."""
@@ -219,6 +222,7 @@ class TextScheduler:
         self._active.discard(seq)
         self._gauges()
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward)."""
@@ -237,6 +241,7 @@ class TextScheduler:
         """Refuse new sequences, finish the accepted ones, stop."""
         self._closing = True
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -250,6 +255,7 @@ class TextScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._interrupt = False  # before admitting: a sequence submitted from now on interrupts the worker
             admitted: list[GenSequence] = []
             while self._waiting and len(self._active) + len(admitted) < self.max_running:
                 admitted.append(self._waiting.popleft())
@@ -260,7 +266,7 @@ class TextScheduler:
                 self.metrics.queue_time.labels(self.model).observe(now - seq.arrival)
             self._gauges()
             try:
-                updates = await loop.run_in_executor(self.executor, self._step, admitted)
+                updates = await loop.run_in_executor(self.executor, self._steps, admitted, loop)
             except Exception as exc:
                 log.exception("%s: generation step failed", self.model)
                 self._fail(admitted or list(self._active), exc)
@@ -321,6 +327,18 @@ class TextScheduler:
         self._gauges()
 
     # ---- worker thread ---------------------------------------------------------------------------------
+
+    def _steps(self, admitted: list[GenSequence], loop: asyncio.AbstractEventLoop) -> list[_Update]:
+        """One step, then more decode steps in a row while nothing needs the loop side (no new sequence, no
+        cancellation, at most STEPS_SLICE_S): each step's results go to the loop without waiting for it, so a
+        busy event loop (a flood of requests, even refused ones) delays the delivery of tokens, not their
+        computation. Returns the last step's results."""
+        updates = self._step(admitted)
+        until = time.perf_counter() + STEPS_SLICE_S
+        while not self._interrupt and time.perf_counter() < until and any(r.live for r in self._rows):
+            loop.call_soon_threadsafe(self._apply, updates)
+            updates = self._step([])
+        return updates
 
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
         keep = [i for i, r in enumerate(self._rows) if r.live]

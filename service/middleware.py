@@ -33,7 +33,9 @@ class Timing:
         self.queue_s, self.compute_s = queue_s, compute_s
 
 
-class ServerTiming:
+class HttpMiddleware:
+    """Passes everything but HTTP (lifespan) straight through; subclasses implement `handle`."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
@@ -41,6 +43,14 @@ class ServerTiming:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class ServerTiming(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
         timing = Timing()
         scope.setdefault("state", {})["timing"] = timing
@@ -77,16 +87,13 @@ class UploadAbandoned(HTTPException):
         super().__init__(499, "client disconnected while uploading")
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         for key, value in scope.get("headers", ()):
             if key == b"content-length":
                 try:
@@ -128,14 +135,8 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-class GraceExpiry:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class GraceExpiry(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started: dict[str, bytes] = {}
         finished = False
 
