@@ -169,6 +169,7 @@ class TextScheduler:
         self.steps = {"prefill": 0, "decode": 0}
         self.health = Health()
         self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
+        self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
         self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
@@ -224,9 +225,23 @@ class TextScheduler:
         self._wake.set()
         self._interrupt = True  # the worker returns to the loop after its current step
 
+    def check_exclusive_room(self) -> None:
+        """503 while shutting down, 429 when as many stateless forwards wait as sequences may (max_waiting)."""
+        if self._closing:
+            raise ServiceError(503, "server is shutting down", code="shutting_down")
+        if self._exclusive >= self.max_waiting:
+            raise ServiceError(429, f"model {self.model} has {self._exclusive} forwards queued; retry later",
+                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
+
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward); the queue
+        of such calls is bounded like the waiting room."""
+        self.check_exclusive_room()
+        self._exclusive += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self._exclusive -= 1
 
     def _gauges(self) -> None:
         self.metrics.running.labels(self.model).set(len(self._active))

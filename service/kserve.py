@@ -495,8 +495,10 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     settings = runtimes.settings
     async with tracked(runtimes.metrics, runtimes.label(name), "infer"):
         rt = _model(request, name, version)
-        if rt.batcher is not None:
-            rt.batcher.check_room()  # a request that will get 429 is refused before its body is read
+        if rt.batcher is not None:  # a request that will get 429 is refused before its body is read
+            rt.batcher.check_room()
+        if rt.scheduler is not None:
+            rt.scheduler.check_exclusive_room()
         header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
         tensors = decode_tensors(header, binary, settings.max_body_bytes)
         params = header.get("parameters") or {}

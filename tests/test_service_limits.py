@@ -273,3 +273,27 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
     assert status == 429 and not read
     # two queued, one batch each of ~0.6 s, plus the one computing: about 2 s, never the old constant 1
     assert int(headers["retry-after"]) >= 2
+
+
+def test_kserve_text_forwards_are_a_bounded_queue() -> None:
+    app = create_app(Settings(models=("text_multimax",), max_waiting_sequences=2))
+    backend = app.state.runtimes.models["text_multimax"].entry.backend
+    original = backend.run_text
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.3)
+        return original(*args)
+
+    backend.run_text = slow
+    body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+
+    async def main() -> list[int]:
+        app.state.runtimes.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                rs = await asyncio.gather(*(c.post("/v2/models/text_multimax/infer", json=body) for _ in range(5)))
+        finally:
+            await app.state.runtimes.stop()
+        return sorted(r.status_code for r in rs)
+
+    assert asyncio.run(main()) == [200, 200, 429, 429, 429]
