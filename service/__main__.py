@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
 
 from service.config import load_settings
 from service.registry import RegistryError
+from service.slowclient import header_timeout_protocol
+
+SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from service.app import create_app
+
+    # The model threads need the GIL back between (and, for PyTorch, inside) their steps; with the default 5 ms
+    # switch interval an event loop kept busy by a flood of requests (even ones refused with 429) makes every
+    # decode step wait several intervals. A shorter interval bounds that wait (see the starvation benchmark).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     try:
         app = create_app(settings)
@@ -24,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests and streams finish (up to
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.access_log, timeout_graceful_shutdown=settings.graceful_timeout_s)
+                access_log=settings.access_log, timeout_graceful_shutdown=settings.graceful_timeout_s,
+                http=header_timeout_protocol(settings.header_timeout_s))
     return 0
 
 

@@ -13,8 +13,8 @@ from service import classify, kserve, openai_api
 from service.config import Settings
 from service.errors import install_handlers
 from service.metrics import Metrics
-from service.middleware import BodyLimit, ServerTiming
-from service.registry import load_registry
+from service.middleware import BodyLimit, GraceExpiry, ServerTiming
+from service.registry import load_models
 from service.runtime import Runtimes
 
 log = logging.getLogger("service")
@@ -25,7 +25,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     decode loops start with the app's lifespan and drain when it ends."""
     settings = settings or Settings()
     metrics = Metrics()
-    runtimes = Runtimes(load_registry(settings), settings, metrics)
+    entries, skipped = load_models(settings)
+    runtimes = Runtimes(entries, settings, metrics, skipped)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     # Outermost first: Server-Timing sees every response, including a 413 from the body limit.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(ServerTiming)
+    app.add_middleware(GraceExpiry)
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import ServiceError
+from service.health import Health
 from service.metrics import Metrics
 
 log = logging.getLogger("service")
@@ -80,7 +82,8 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._batch_seconds = 0.01  # moving average of one model call
+        self._batch_seconds: float | None = None  # moving average of one model call (None: none measured yet)
+        self.health = Health()
 
     # ---- producer side (endpoints) ---------------------------------------------------------------------
 
@@ -88,19 +91,31 @@ class DynamicBatcher:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def problem(self) -> str | None:
+        return self.health.problem(self._task, self._closing)
+
+    def check_room(self) -> None:
+        """503 while shutting down, 429 with Retry-After when the queue is full; cheap, so endpoints call it
+        before reading a request's body."""
+        if self._closing:
+            raise ServiceError(503, "server is shutting down", code="shutting_down")
+        if len(self._queue) >= self.max_queue:
+            raise ServiceError(429, f"model {self.model} has {len(self._queue)} requests queued; retry later",
+                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Whole seconds until the queue has room: the batches ahead times the measured batch time."""
+        return max(1, math.ceil(self._estimated_wait()))
+
     def enqueue(self, rows: np.ndarray, deadline: float) -> asyncio.Future[BatchResult]:
         """Queue `rows` (n, ...); the future gets their output. 429 when the queue is full, 504 (as the future's
         exception) if the deadline passes while still queued. Cancelling the future (client gone) drops the
         request before compute. No task per request: the deadline is a timer on the loop."""
-        if self._closing:
-            raise ServiceError(503, "server is shutting down", code="shutting_down")
+        self.check_room()
         if len(rows) > self.max_batch_size:
             raise ServiceError(400, f"{len(rows)} inputs in one request exceed the model's max batch size "
                                     f"{self.max_batch_size}", code="batch_too_large")
-        if len(self._queue) >= self.max_queue:
-            retry = max(1, round(self._estimated_wait()))
-            raise ServiceError(429, f"model {self.model} has {len(self._queue)} requests queued; retry later",
-                               code="queue_full", headers={"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
         item = _Item(rows, loop.create_future(), deadline)
         item.timer = loop.call_later(max(0.0, deadline - time.perf_counter()), self._expire, item)
@@ -123,7 +138,7 @@ class DynamicBatcher:
 
     def _estimated_wait(self) -> float:
         """Seconds until the queue has room: the batches ahead times the recent batch time (for Retry-After)."""
-        return len(self._queue) / self.max_batch_size * self._batch_seconds
+        return (len(self._queue) / self.max_batch_size + 1) * (self._batch_seconds or 0.0)
 
     # ---- worker side -------------------------------------------------------------------------------------
 
@@ -206,8 +221,9 @@ class DynamicBatcher:
 
     def _deliver(self, batch: list[_Item], outputs: list[np.ndarray], start: float, compute_s: float,
                  rows: int) -> None:
+        self.health.succeeded()
         self.metrics.compute_time.labels(self.model, "classify").observe(compute_s)
-        self._batch_seconds = 0.9 * self._batch_seconds + 0.1 * compute_s
+        self._batch_seconds = compute_s if self._batch_seconds is None else 0.9 * self._batch_seconds + 0.1 * compute_s
         self.metrics.batch_size.labels(self.model, "classify").observe(rows)
         for item, out in zip(batch, outputs, strict=True):
             if item.timer is not None:
@@ -227,6 +243,7 @@ class DynamicBatcher:
                 outputs, compute_s = await loop.run_in_executor(self.executor, self._compute, [item.rows])
             except Exception as exc:
                 log.exception("%s: a request failed on its own", self.model)
+                self.health.failed(f"{type(exc).__name__}: {exc}"[:200])
                 if not item.future.done():
                     item.future.set_exception(ServiceError(500, f"model failed on this input: {type(exc).__name__}",
                                                            code="model_error"))

@@ -7,6 +7,8 @@
   generation  tokens/s at 1, 4 and 16 concurrent streams; time to first token and inter-token latency
   decode      decode step time at 16 and at 256 tokens of context (KV cache), on a randomly initialised
               gpt-lm-6 with block_size 512 (the demo text model's context is only 128)
+  starvation  inter-token latency of one admitted stream, idle vs during a storm of requests that all get
+              429 (alternating rounds; the figure is the median of the per-round ratios)
 
 The server runs as a subprocess (`python -m service`), the load generator in this process: a minimal
 HTTP/1.1 keep-alive client on asyncio streams, because a full HTTP client library costs about as much CPU
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-SECTIONS = ("overhead", "batching", "generation", "decode")
+SECTIONS = ("overhead", "batching", "generation", "decode", "starvation")
 
 
 # ---- a minimal HTTP/1.1 client -----------------------------------------------------------------------------
@@ -497,6 +500,99 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+# ---- starvation: an admitted stream during a storm of rejected requests --------------------------------------
+
+
+STARVATION_MODEL = "text_long"
+
+
+async def _stream_times(port: int, max_tokens: int) -> tuple[list[float], int]:
+    """Arrival times of one greedy stream's SSE events, and how many tokens it generated."""
+    conn = await Conn("127.0.0.1", port).open()
+    body = json.dumps({"model": STARVATION_MODEL, "prompt": "The", "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    times, tokens = [], 0
+    async for t, data in conn.sse("/v1/completions", body):
+        if data == b"[DONE]":
+            continue
+        event = json.loads(data)
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        if event["choices"] and event["choices"][0]["text"]:
+            times.append(t)
+    conn.close()
+    return times, tokens
+
+
+async def _storm(port: int, concurrency: int, until: asyncio.Future[Any]) -> dict[int, int]:
+    """`concurrency` keep-alive clients sending completions as fast as answers come back, until `until` is done."""
+    statuses: dict[int, int] = {}
+    body = json.dumps({"model": STARVATION_MODEL, "prompt": "storm", "max_tokens": 8}).encode()
+
+    async def client() -> None:
+        conn = await Conn("127.0.0.1", port).open()
+        while not until.done():
+            status, _, _ = await conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            statuses[status] = statuses.get(status, 0) + 1
+        conn.close()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return statuses
+
+
+async def _starvation_round(port: int, storm: int, max_tokens: int) -> dict[str, Any]:
+    """One measured stream holds the only running slot and a second request the only waiting slot, so every
+    request of the storm (if any) is refused with 429 while the measured stream decodes."""
+    measured = asyncio.ensure_future(_stream_times(port, max_tokens))
+    await asyncio.sleep(0.3)
+    conn = await Conn("127.0.0.1", port).open()
+    filler_body = json.dumps({"model": STARVATION_MODEL, "prompt": "filler", "max_tokens": 2}).encode()
+    filler = asyncio.ensure_future(conn.request("POST", "/v1/completions", filler_body,
+                                                {"Content-Type": "application/json"}))
+    await asyncio.sleep(0.1)
+    storm_start = time.perf_counter()
+    statuses = await _storm(port, storm, measured) if storm else {}
+    storm_s = time.perf_counter() - storm_start
+    times, tokens = await measured
+    await filler
+    conn.close()
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    out = {"itl_mean_ms": ms((times[-1] - times[0]) / max(1, tokens - 1)), "event_gap_p90_ms": ms(pct(gaps, 90)),
+           "tokens": tokens}
+    if storm:
+        out |= {"storm_statuses": statuses, "rejections_per_s": round(statuses.get(429, 0) / storm_s, 1)}
+    return out
+
+
+def bench_starvation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Rounds alternate idle and storm; the ratio is taken per round and the median reported."""
+    pt, onnx_path = build_long_gpt(work, export_onnx=True)
+    model_file = onnx_path or pt  # the default backend (onnxruntime) where the export works
+    model_dir = work / "starvation"
+    model_dir.mkdir(exist_ok=True)
+    for old in model_dir.iterdir():
+        old.unlink()
+    (model_dir / f"{STARVATION_MODEL}{model_file.suffix}").symlink_to(model_file.resolve())
+    rounds = []
+    with server("--model-dir", str(model_dir), "--max-running-sequences", "1", "--max-waiting-sequences", "1",
+                "--intra-op-threads", "1") as port:
+        asyncio.run(_stream_times(port, 8))  # warm-up
+        for _ in range(args.rounds):
+            idle = asyncio.run(_starvation_round(port, 0, args.max_tokens))
+            storm = asyncio.run(_starvation_round(port, args.concurrency, args.max_tokens))
+            row = {"idle": idle, "storm": storm, "ratio_mean": storm["itl_mean_ms"] / idle["itl_mean_ms"],
+                   "ratio_p90": storm["event_gap_p90_ms"] / idle["event_gap_p90_ms"]}
+            rounds.append(row)
+            print(json.dumps({"starvation_round": row}), flush=True)
+    backend = "onnxruntime" if model_file.suffix == ".onnx" else "PyTorch eager"
+    out = {"model": f"gpt-lm-6 (random weights, block_size 512), {backend}, one intra-op thread", "rounds": rounds,
+           "storm_clients": args.concurrency, "max_tokens": args.max_tokens,
+           "itl_ratio_mean": statistics.median(r["ratio_mean"] for r in rounds),
+           "itl_ratio_p90": statistics.median(r["ratio_p90"] for r in rounds)}
+    print(json.dumps({"starvation": {k: round(out[k], 2) for k in ("itl_ratio_mean", "itl_ratio_p90")}}), flush=True)
+    return out
+
+
 # ---- decode step time vs context ----------------------------------------------------------------------------
 
 
@@ -599,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": environment(), "command": " ".join(["python -m service.bench",
                                                                                  *(argv or sys.argv[1:])])}
     runners = {"overhead": bench_overhead, "batching": bench_batching, "generation": bench_generation,
-               "decode": bench_decode}
+               "decode": bench_decode, "starvation": bench_starvation}
     for section in sections:
         t0 = time.perf_counter()
         results[section] = runners[section](args, args.work_dir)

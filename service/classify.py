@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 from typing import Any
 
 import numpy as np
@@ -19,13 +18,13 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from service.errors import ServiceError, bad_request
+from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
+from service.jsonio import check_size, dumps, loads, non_finite_error
 from service.lifecycle import deadline, tracked, unless_disconnected
 from service.runtime import ModelRuntime, Runtimes, softmax
-from service.vision import load_and_preprocess
+from service.vision import Preprocess, load_and_preprocess
 
 router = APIRouter(tags=["classification"])
-INLINE_DECODE_BYTES = 64 * 1024  # smaller images decode faster than a hop to a worker thread costs
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 OPENAPI_BODY: dict[str, Any] = {
@@ -80,7 +79,21 @@ def _b64(item: Any, index: int) -> bytes:
         raise bad_request(f"images[{index}] is not valid base64", "images") from None
 
 
-async def read_images(request: Request, limit: int) -> list[bytes]:
+def _images_json(body: bytes, limit: int, json_limit: int) -> list[bytes]:
+    # Base64 has no commas: more than two per image (one in a data URL) means a body of many small values,
+    # the kind that is slow to parse. Counting them is C-speed, so such a body costs nothing to refuse.
+    if body.count(b",") > 2 * limit + 8:
+        check_size(len(body), json_limit)
+    payload = loads(body)
+    images = payload.get("images") if isinstance(payload, dict) else None
+    if not isinstance(images, list) or not images:
+        raise bad_request('JSON body must be {"images": [base64, ...]} with at least one image', "images")
+    if len(images) > limit:
+        raise bad_request(f"at most {limit} images per request, got {len(images)}", "images")
+    return [_b64(item, i) for i, item in enumerate(images)]
+
+
+async def read_images(request: Request, limit: int, json_limit: int) -> list[bytes]:
     """decode_request, first half: the request's image files as bytes (4xx for a malformed request)."""
     media = _media_type(request)
     if media.startswith("image/") or media == "application/octet-stream":
@@ -97,38 +110,31 @@ async def read_images(request: Request, limit: int) -> list[bytes]:
         finally:
             await form.close()
     if media == "application/json":
-        try:
-            payload = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"body is not valid JSON: {exc}") from None
-        images = payload.get("images") if isinstance(payload, dict) else None
-        if not isinstance(images, list) or not images:
-            raise bad_request('JSON body must be {"images": [base64, ...]} with at least one image', "images")
-        if len(images) > limit:
-            raise bad_request(f"at most {limit} images per request, got {len(images)}", "images")
-        return [_b64(item, i) for i, item in enumerate(images)]
+        return _images_json(await request.body(), limit, json_limit)
     shown = media or "none"
     raise ServiceError(415, f"content type {shown} not accepted: send an image (image/png, image/jpeg, ...), "
                             "multipart/form-data or application/json", code="unsupported_media_type")
 
 
-async def decode_request(request: Request, rt: ModelRuntime, settings: Any) -> np.ndarray:
-    """The request as model rows (n, C, H, W): read, decode and preprocess every image."""
-    blobs = await read_images(request, settings.max_images_per_request)
-    assert rt.preprocess is not None
+def _decode_all(blobs: list[bytes], spec: Preprocess, max_pixels: int, min_side: int) -> np.ndarray:
     rows = []
     for i, blob in enumerate(blobs):
-        args = (blob, rt.preprocess, settings.max_image_pixels, settings.min_image_side)
         try:
-            if len(blob) <= INLINE_DECODE_BYTES:
-                rows.append(load_and_preprocess(*args))
-            else:
-                rows.append(await asyncio.to_thread(load_and_preprocess, *args))
+            rows.append(load_and_preprocess(blob, spec, max_pixels, min_side))
         except ServiceError as exc:
             if len(blobs) > 1:
                 exc.message = f"images[{i}]: {exc.message}"
             raise
     return np.stack(rows)
+
+
+async def decode_request(request: Request, rt: ModelRuntime, settings: Any) -> np.ndarray:
+    """The request as model rows (n, C, H, W): read, then decode and preprocess every image in a worker thread
+    (one hop per request, whatever the images' size: the event loop never decodes)."""
+    blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes)
+    assert rt.preprocess is not None
+    return await asyncio.to_thread(_decode_all, blobs, rt.preprocess, settings.max_image_pixels,
+                                   settings.min_image_side)
 
 
 def encode_response(name: str, labels: list[str], probs: np.ndarray, top_k: int) -> dict[str, Any]:
@@ -173,7 +179,8 @@ def query_params(request: Request) -> tuple[int, float | None]:
 
 @router.post("/v1/models/{name}/classify", openapi_extra=OPENAPI_BODY | {"parameters": QUERY_PARAMETERS},
              response_class=Response,
-             responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"}},
+             responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"},
+                        **error_responses(False, MODEL_CALL)},
              summary="Classify images: top-k labels with probabilities")
 async def classify(name: str, request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
@@ -181,8 +188,9 @@ async def classify(name: str, request: Request) -> Response:
     async with tracked(runtimes.metrics, runtimes.label(name), "classify"):
         top_k, timeout = query_params(request)
         rt = runtimes.get(name, "image-classification")
-        rows = await decode_request(request, rt, settings)
         assert rt.batcher is not None
+        rt.batcher.check_room()  # a request that will get 429 is refused before its body is read
+        rows = await decode_request(request, rt, settings)
         due = deadline(settings.request_timeout_s, timeout)
         step = settings.max_batch_size
         chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
@@ -196,5 +204,7 @@ async def classify(name: str, request: Request) -> Response:
         results = done if isinstance(done, list) else [done]
         request.state.timing.set(max(r.queue_s for r in results), max(r.compute_s for r in results))
         probs = softmax(np.concatenate([r.output for r in results]))
-        body = encode_response(name, rt.entry.labels or [], probs, top_k)
-    return Response(json.dumps(body), media_type="application/json")
+        if not np.isfinite(probs).all():
+            raise non_finite_error("probabilities")
+        body = dumps(encode_response(name, rt.entry.labels or [], probs, top_k))
+    return Response(body, media_type="application/json")

@@ -59,6 +59,7 @@ class Settings:
     max_queue_size: int = 256
     request_timeout_s: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
+    max_json_bytes: int = 1024 * 1024  # JSON is parsed on the event loop: this bounds how long one parse takes
     max_image_pixels: int = 40_000_000
     min_image_side: int = 8
     max_images_per_request: int = 64
@@ -67,6 +68,9 @@ class Settings:
     max_waiting_sequences: int = 256
     default_max_tokens: int = 16
     max_prompts_per_request: int = 16
+    # Slow clients: a connection must deliver its request headers, and then its body, within these.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
     # Process.
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
@@ -79,8 +83,8 @@ class Settings:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_image_pixels", "min_image_side",
-                    "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
+        positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
+                    "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
                     "max_prompts_per_request")
         for name in positive:
             if int(getattr(self, name)) < 1:
@@ -88,7 +92,7 @@ class Settings:
         for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "graceful_timeout_s"):
+        for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -129,6 +133,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_queue_size", int, "requests waiting per model before new ones get 429", "N"),
     _Option("request_timeout_s", float, "per-request deadline (a request still queued then gets 504)", "S"),
     _Option("max_body_bytes", int, "largest request body (413 beyond)", "BYTES"),
+    _Option("max_json_bytes", int, "largest JSON body (or KServe JSON header); bounds the time one parse takes "
+            "(413 beyond)", "BYTES"),
     _Option("max_image_pixels", int, "largest image (width x height) that is decoded", "PIXELS"),
     _Option("min_image_side", int, "smallest image side accepted", "PIXELS"),
     _Option("max_images_per_request", int, "images in one classification request", "N"),
@@ -136,6 +142,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_waiting_sequences", int, "generation: sequences waiting for a slot before new ones get 429", "N"),
     _Option("default_max_tokens", int, "generation: max_tokens when a request gives none (OpenAI: 16)", "N"),
     _Option("max_prompts_per_request", int, "generation: prompts in one /v1/completions request", "N"),
+    _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
+    _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
     _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
     _Option("access_log", _bool, "log every request", "BOOL"),

@@ -18,12 +18,14 @@ from starlette.responses import Response
 log = logging.getLogger("service")
 
 # outcome label of the requests counter, by status
-OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 499: "cancelled"}
+OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 408: "timeout",
+                     499: "cancelled"}
 
 _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout",
     413: "request_too_large",
     415: "unsupported_media_type",
     422: "invalid_request_error",
@@ -91,7 +93,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
+def _without_fastapi_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 `HTTPValidationError` for every route with parameters; this server answers
+    validation failures with 400 in its own shape, so those 422s are never returned and leave the schema."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    responses = op.get("responses", {})
+                    if "HTTPValidationError" in json.dumps(responses.get("422", {})):
+                        del responses["422"]
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_handlers(app: FastAPI) -> None:
+    _without_fastapi_422(app)
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
         return error_response(request.url.path, exc.status, exc.message, code=exc.code, param=exc.param,
@@ -110,7 +131,7 @@ def install_handlers(app: FastAPI) -> None:
         from service.lifecycle import count_refused
 
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        code = "body_too_large" if exc.status_code == 413 else None
+        code = {413: "body_too_large", 408: "body_timeout", 499: "client_disconnected"}.get(exc.status_code)
         if exc.status_code != 404 and not getattr(exc, "counted", False):
             count_refused(request.app, request.url.path, exc.status_code)  # refused before the endpoint ran
         if exc.status_code == 404 and message == "Not Found":
@@ -122,3 +143,33 @@ def install_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+# ---- OpenAPI: the error statuses each endpoint really returns, with their body shape ----------------------
+
+_WHY = {
+    400: "invalid request: malformed body, value out of range, tensor that does not fit the model",
+    404: "unknown model, version or route",
+    408: "request body not received within body_timeout_s",
+    413: "body over max_body_bytes (JSON: over max_json_bytes)",
+    415: "content type or encoding not accepted",
+    422: "image that cannot be used (corrupt, too large, too small), or a model output that is not finite",
+    429: "queue full; Retry-After says when to retry",
+    500: "the model failed on this request's input (other requests are unaffected)",
+    503: "server shutting down (or the model is not ready)",
+    504: "deadline passed while the request was queued",
+}
+_OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_KSERVE_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+MODEL_CALL = (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
+LOOKUP = (404,)  # metadata of one model
+
+
+def error_responses(kserve: bool, statuses: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    schema = _KSERVE_ERROR if kserve else _OPENAI_ERROR
+    return {status: {"description": _WHY[status], "content": {"application/json": {"schema": schema}}}
+            for status in statuses}

@@ -15,6 +15,7 @@ import asyncio
 import codecs
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -26,15 +27,18 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from models.gpt import sample_next, stop_match
+from models.gpt import stop_match
 from models.tokenizer import ByteTokenizer
 from service import kvcache
 from service.backends.base import Backend, Past
 from service.errors import ServiceError
+from service.health import Health
 from service.metrics import Metrics
+from service.sampling import NonFiniteLogits, sample_token
 
 log = logging.getLogger("service")
 T = TypeVar("T")
+STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back to the event loop
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,12 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     generated: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # this sequence failed (its batch-mates go on)
     last: int = 0  # the sampled token not yet fed to the model
 
     @property
     def live(self) -> bool:
-        return self.finish_reason is None and not self.seq.cancelled
+        return self.finish_reason is None and self.error is None and not self.seq.cancelled
 
 
 @dataclass
@@ -92,6 +97,7 @@ class _Update:
     tokens: list[int]
     generated: int
     finish_reason: str | None
+    error: str | None = None
 
 
 class TextStream:
@@ -161,6 +167,10 @@ class TextScheduler:
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
         self.steps = {"prefill": 0, "decode": 0}
+        self.health = Health()
+        self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
+        self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
+        self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -172,13 +182,27 @@ class TextScheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, seqs: Sequence[GenSequence]) -> None:
-        """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
+    @property
+    def problem(self) -> str | None:
+        return self.health.problem(self._task, self._closing)
+
+    def check_room(self, n: int = 1) -> None:
+        """503 while shutting down, 429 with Retry-After when `n` more sequences would not fit the waiting room;
+        cheap, so the endpoint calls it before reading a request's body."""
         if self._closing:
             raise ServiceError(503, "server is shutting down", code="shutting_down")
-        if len(self._waiting) + len(seqs) > self.max_waiting:
+        if len(self._waiting) + n > self.max_waiting:
             raise ServiceError(429, f"model {self.model} has {len(self._waiting)} sequences waiting; retry later",
-                               code="queue_full", headers={"Retry-After": "1"})
+                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Whole seconds until a slot frees up for the queue's tail: the rounds of the running batch ahead of it
+        times the measured time a sequence spends in the batch."""
+        return max(1, math.ceil((len(self._waiting) / self.max_running + 1) * (self._seq_seconds or 0.0)))
+
+    def submit(self, seqs: Sequence[GenSequence]) -> None:
+        """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
+        self.check_room(len(seqs))
         for seq in seqs:
             if seq.params.max_tokens == 0:  # nothing to generate: answer without touching the model
                 seq.finish_reason, seq.finished = "length", time.perf_counter()
@@ -187,6 +211,7 @@ class TextScheduler:
             self._waiting.append(seq)
         self._gauges()
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
 
     def cancel(self, seq: GenSequence) -> None:
         """The client is gone: a waiting sequence leaves the queue, a running one leaves at the next step."""
@@ -198,10 +223,25 @@ class TextScheduler:
         self._active.discard(seq)
         self._gauges()
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
+
+    def check_exclusive_room(self) -> None:
+        """503 while shutting down, 429 when as many stateless forwards wait as sequences may (max_waiting)."""
+        if self._closing:
+            raise ServiceError(503, "server is shutting down", code="shutting_down")
+        if self._exclusive >= self.max_waiting:
+            raise ServiceError(429, f"model {self.model} has {self._exclusive} forwards queued; retry later",
+                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward); the queue
+        of such calls is bounded like the waiting room."""
+        self.check_exclusive_room()
+        self._exclusive += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self._exclusive -= 1
 
     def _gauges(self) -> None:
         self.metrics.running.labels(self.model).set(len(self._active))
@@ -216,6 +256,7 @@ class TextScheduler:
         """Refuse new sequences, finish the accepted ones, stop."""
         self._closing = True
         self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -229,6 +270,7 @@ class TextScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._interrupt = False  # before admitting: a sequence submitted from now on interrupts the worker
             admitted: list[GenSequence] = []
             while self._waiting and len(self._active) + len(admitted) < self.max_running:
                 admitted.append(self._waiting.popleft())
@@ -239,7 +281,7 @@ class TextScheduler:
                 self.metrics.queue_time.labels(self.model).observe(now - seq.arrival)
             self._gauges()
             try:
-                updates = await loop.run_in_executor(self.executor, self._step, admitted)
+                updates = await loop.run_in_executor(self.executor, self._steps, admitted, loop)
             except Exception as exc:
                 log.exception("%s: generation step failed", self.model)
                 self._fail(admitted or list(self._active), exc)
@@ -249,6 +291,7 @@ class TextScheduler:
     def _fail(self, seqs: list[GenSequence], exc: Exception) -> None:
         """A failed prefill fails the sequences it admitted; a failed decode fails the batch it ran."""
         error = ServiceError(500, f"model failed during generation: {type(exc).__name__}", code="model_error")
+        self.health.failed(error.message)
         failed = set(seqs)
         for seq in seqs:
             seq.error = error
@@ -269,10 +312,17 @@ class TextScheduler:
         m = self.metrics
         for u in updates:
             seq = u.row.seq
+            if u.error is not None:
+                self.health.failed(u.error)
+                seq.error = ServiceError(500, u.error, code="model_error")
+                self._active.discard(seq)
+                seq.changed.set()
+                continue
             new = u.generated - seq.generated
             if new <= 0:
                 continue
             m.generation_tokens.labels(self.model).inc(new)
+            self.health.succeeded()
             if seq.first_token is None:
                 seq.first_token = now
                 m.ttft.labels(self.model).observe(now - seq.arrival)
@@ -284,11 +334,26 @@ class TextScheduler:
                 seq.finished = now
                 seq.finish_reason = u.finish_reason
                 self._active.discard(seq)
+                if seq.started is not None:
+                    took = now - seq.started
+                    self._seq_seconds = took if self._seq_seconds is None else 0.9 * self._seq_seconds + 0.1 * took
                 m.e2e.labels(self.model).observe(now - seq.arrival)
             seq.changed.set()
         self._gauges()
 
     # ---- worker thread ---------------------------------------------------------------------------------
+
+    def _steps(self, admitted: list[GenSequence], loop: asyncio.AbstractEventLoop) -> list[_Update]:
+        """One step, then more decode steps in a row while nothing needs the loop side (no new sequence, no
+        cancellation, at most STEPS_SLICE_S): each step's results go to the loop without waiting for it, so a
+        busy event loop (a flood of requests, even refused ones) delays the delivery of tokens, not their
+        computation. Returns the last step's results."""
+        updates = self._step(admitted)
+        until = time.perf_counter() + STEPS_SLICE_S
+        while not self._interrupt and time.perf_counter() < until and any(r.live for r in self._rows):
+            loop.call_soon_threadsafe(self._apply, updates)
+            updates = self._step([])
+        return updates
 
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
         keep = [i for i, r in enumerate(self._rows) if r.live]
@@ -300,10 +365,49 @@ class TextScheduler:
                 self._past, self._mask = [], np.zeros((0, 0), np.int64)
         admitted = [s for s in admitted if not s.cancelled]
         if admitted:
-            return self._prefill(admitted)
+            return self._prefill_isolated(admitted)
         if self._rows:
-            return self._decode()
+            try:
+                return self._decode()
+            except Exception:
+                log.exception("%s: decode step of %d sequences failed; stepping them one by one", self.model,
+                              len(self._rows))
+                return self._decode_one_by_one()
         return []
+
+    def _prefill_isolated(self, seqs: list[GenSequence]) -> list[_Update]:
+        """A prefill that fails is redone one sequence at a time: only the sequence that breaks it fails."""
+        try:
+            return self._prefill(seqs)
+        except Exception as exc:
+            if len(seqs) == 1:
+                return [self._failed(_Row(seqs[0], _rng(0)), exc)]
+            log.exception("%s: prefill of %d sequences failed; prefilling them one by one", self.model, len(seqs))
+        return [u for s in seqs for u in self._prefill_isolated([s])]
+
+    @torch.inference_mode()
+    def _decode_one_by_one(self) -> list[_Update]:
+        """Each row's decode step on its own cache; the rows that succeed form the batch again."""
+        updates: list[_Update] = []
+        kept: list[tuple[_Row, Past, np.ndarray]] = []
+        for i, row in enumerate(self._rows):
+            past, mask = kvcache.select(self._past, self._mask, [i])
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            try:
+                logits, presents = self.backend.run_text(np.array([[row.last]], np.int64), mask,
+                                                         mask[:, :-1].sum(axis=1, keepdims=True), past)
+            except Exception as exc:
+                updates.append(self._failed(row, exc))
+                continue
+            updates.extend(self._sample([row], _as_torch(logits[:, -1])))
+            kept.append((row, presents, mask))
+        self._rows = [row for row, _, _ in kept]
+        self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        for n, (_, presents, mask) in enumerate(kept):
+            self._past, self._mask = (presents, mask) if n == 0 else kvcache.merge(self._past, self._mask,
+                                                                                  presents, mask)
+        self.steps["decode"] += 1
+        return updates
 
     @torch.inference_mode()
     def _prefill(self, seqs: list[GenSequence]) -> list[_Update]:
@@ -350,10 +454,11 @@ class TextScheduler:
             if not row.live:
                 continue
             p = row.seq.params
-            greedy = p.temperature == 0 or p.top_p == 0
-            top_p = None if p.top_p >= 1 else p.top_p
-            token = int(sample_next(logits[i:i + 1], 0.0 if greedy else p.temperature, p.top_k, top_p,
-                                    row.generator)[0])
+            try:
+                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator)
+            except Exception as exc:  # this row's numbers went bad: it ends, its batch-mates go on
+                updates.append(self._failed(row, exc))
+                continue
             row.last = token
             row.generated += 1
             if token == tok.eos_id:
@@ -369,3 +474,9 @@ class TextScheduler:
                 row.finish_reason = "length"
             updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason))
         return updates
+
+    def _failed(self, row: _Row, exc: Exception) -> _Update:
+        log.warning("%s: one sequence failed and leaves the batch: %s: %s", self.model, type(exc).__name__, exc)
+        row.error = str(exc) if isinstance(exc, NonFiniteLogits) else f"model failed on this sequence: " \
+            f"{type(exc).__name__}"
+        return _Update(row, list(row.tokens), row.generated, None, row.error)

@@ -9,7 +9,6 @@ run between decode steps. Errors are `{"error": "<message>"}` with a 4xx status.
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from typing import Any
@@ -18,7 +17,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import ServiceError
+from service.errors import LOOKUP, MODEL_CALL, ServiceError, error_responses
+from service.jsonio import NonFiniteOutput, check_size, dumps, loads, non_finite_error
 from service.lifecycle import deadline, tracked, unless_disconnected
 from service.runtime import ModelRuntime, Runtimes
 
@@ -26,6 +26,7 @@ router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
 VERSION = "1"
 HEADER_LENGTH = "inference-header-content-length"
+MAX_DIMS = 8
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -70,12 +71,15 @@ OPENAPI_INFER: dict[str, Any] = {
 }
 
 
+LOOKUP_404 = error_responses(True, LOOKUP)[404]
+
+
 def bad(message: str) -> ServiceError:
     return ServiceError(400, message, code="invalid_tensor")
 
 
 def _json(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj), status_code=status, media_type="application/json")
+    return Response(dumps(obj), status_code=status, media_type="application/json")
 
 
 # ---- metadata --------------------------------------------------------------------------------------------
@@ -118,14 +122,48 @@ async def live() -> Response:
     return _json({"live": True})
 
 
-@router.get("/v2/health/ready", summary="Readiness: every model loaded and the server not shutting down")
+_NOT_READY = {"description": "not ready, with the reason", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["ready"],
+    "properties": {"ready": {"type": "boolean"}, "reason": {"type": "string"}, "name": {"type": "string"}}}}}}
+
+
+@router.get("/v2/health/ready", responses={503: _NOT_READY},
+            summary="Readiness: started, not shutting down, and every served model's worker "
+            "alive and not failing (models that failed to load are listed, but do not count)")
 async def ready(request: Request) -> Response:
-    ok = request.app.state.runtimes.ready
-    return _json({"ready": ok}, 200 if ok else 503)
+    runtimes: Runtimes = request.app.state.runtimes
+    failing = {n: why for n, why in runtimes.problems().items() if n in runtimes.models}
+    ok = runtimes.ready and not failing
+    body: dict[str, Any] = {"ready": ok}
+    if not runtimes.ready:
+        body["reason"] = "not started or shutting down"
+    elif failing:
+        body["reason"] = "; ".join(f"{n}: {why}" for n, why in failing.items())
+    return _json(body, 200 if ok else 503)
 
 
-@router.get("/v2/models/{name}", summary="Model metadata")
-@router.get("/v2/models/{name}/versions/{version}", summary="Model metadata (one version)")
+@router.post("/v2/repository/index", responses=error_responses(True, (400, 413)),
+             summary="Every model of the model directory, ready or not, with why not "
+             "(Triton's model repository extension)")
+async def repository_index(request: Request) -> Response:
+    runtimes: Runtimes = request.app.state.runtimes
+    problems = runtimes.problems()
+    rows = [{"name": n, "version": VERSION, "state": "UNAVAILABLE" if n in problems else "READY",
+             "reason": problems.get(n, "")} for n in sorted([*runtimes.models, *runtimes.skipped])]
+    body = await request.body()
+    if body.strip():
+        check_size(len(body), runtimes.settings.max_json_bytes)
+        query = loads(body, "request body")
+        if not isinstance(query, dict) or not isinstance(query.get("ready", False), bool):
+            raise bad("body must be an object with an optional boolean 'ready'")
+        if query.get("ready"):
+            rows = [r for r in rows if r["state"] == "READY"]
+    return _json(rows)
+
+
+@router.get("/v2/models/{name}", summary="Model metadata", responses=error_responses(True, LOOKUP))
+@router.get("/v2/models/{name}/versions/{version}", summary="Model metadata (one version)",
+            responses=error_responses(True, LOOKUP))
 async def model_metadata(name: str, request: Request, version: str | None = None) -> Response:
     rt = _model(request, name, version)
     inputs, outputs = io_spec(rt)
@@ -135,16 +173,25 @@ async def model_metadata(name: str, request: Request, version: str | None = None
                   "inputs": inputs, "outputs": outputs})
 
 
-@router.get("/v2/models/{name}/ready", summary="Model readiness")
-@router.get("/v2/models/{name}/versions/{version}/ready", summary="Model readiness (one version)")
+@router.get("/v2/models/{name}/ready", summary="Model readiness", responses={400: _NOT_READY, 404: LOOKUP_404})
+@router.get("/v2/models/{name}/versions/{version}/ready", summary="Model readiness (one version)",
+            responses={400: _NOT_READY, 404: LOOKUP_404})
 async def model_ready(name: str, request: Request, version: str | None = None) -> Response:
+    runtimes: Runtimes = request.app.state.runtimes
+    if name in runtimes.skipped and version in (None, "", VERSION):
+        return _json({"name": name, "ready": False, "reason": f"failed to load: {runtimes.skipped[name]}"}, 400)
     rt = _model(request, name, version)
-    ok = bool(request.app.state.runtimes.ready)
-    return _json({"name": rt.name, "ready": ok}, 200 if ok else 400)
+    problem = rt.problem if runtimes.ready else "not started or shutting down"
+    body: dict[str, Any] = {"name": rt.name, "ready": problem is None}
+    if problem is not None:
+        body["reason"] = problem
+    return _json(body, 200 if problem is None else 400)
 
 
-@router.get("/v2/models/{name}/config", summary="Model configuration (Triton's extension)")
-@router.get("/v2/models/{name}/versions/{version}/config", summary="Model configuration (one version)")
+@router.get("/v2/models/{name}/config", summary="Model configuration (Triton's extension)",
+            responses=error_responses(True, LOOKUP))
+@router.get("/v2/models/{name}/versions/{version}/config", summary="Model configuration (one version)",
+            responses=error_responses(True, LOOKUP))
 async def model_config(name: str, request: Request, version: str | None = None) -> Response:
     rt = _model(request, name, version)
     settings = request.app.state.runtimes.settings
@@ -202,28 +249,55 @@ def _bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
 
 def _from_json_data(data: Any, datatype: str, dtype: np.dtype[Any], name: str) -> np.ndarray:
     if datatype == "BYTES":
-        flat = np.asarray(data, dtype=object).ravel()
+        try:
+            flat = np.asarray(data, dtype=object).ravel()
+        except (ValueError, RecursionError):
+            raise bad(f"input {name}: data is ragged or nested too deeply") from None
         if not all(isinstance(x, str) for x in flat):
             raise bad(f"input {name}: BYTES data must be strings")
         return np.array([x.encode() for x in flat], dtype=object)
     try:
         arr = np.asarray(data)
-    except ValueError:
-        raise bad(f"input {name}: data is ragged (nested lists of different lengths)") from None
+    except (ValueError, RecursionError):
+        raise bad(f"input {name}: data is ragged (nested lists of different lengths) or nested too deeply") from None
     if arr.size and arr.dtype.kind not in "biuf":
-        raise bad(f"input {name}: data must be numbers for {datatype}")
-    if datatype == "BOOL" and arr.size and arr.dtype.kind != "b":
-        raise bad(f"input {name}: BOOL data must be true/false")
+        raise bad(f"input {name}: data must be {'true/false' if datatype == 'BOOL' else 'numbers'} for {datatype}")
+    if datatype == "BOOL":
+        if arr.size and arr.dtype.kind != "b":
+            raise bad(f"input {name}: BOOL data must be true/false")
+        return arr.astype(dtype).ravel()
+    # Booleans among numbers (numpy would read true as 1) are a client bug, not data: refuse them.
+    if arr.dtype.kind == "b" or (arr.size and bool in set(map(type, np.asarray(data, dtype=object).ravel()))):
+        raise bad(f"input {name}: true/false given for {datatype} (numbers expected)")
     if dtype.kind in "iu" and arr.dtype.kind == "f":
         raise bad(f"input {name}: {datatype} data must be integers")
     if dtype.kind in "iu" and arr.size:
         info = np.iinfo(dtype)
         if arr.min() < info.min or arr.max() > info.max:
-            raise bad(f"input {name}: value out of range for {datatype}")
-    return arr.astype(dtype).ravel()
+            raise bad(f"input {name}: value out of range for {datatype}"
+                      + (" (negative values for an unsigned type)" if arr.min() < 0 <= info.min else ""))
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(dtype).ravel()
+    if dtype.kind == "f" and arr.size and not np.isfinite(out).all():
+        raise bad(f"input {name}: value out of range for {datatype}")
+    return out
 
 
-def decode_tensors(header: dict[str, Any], binary: bytes) -> dict[str, np.ndarray]:
+def _check_shape(name: str, shape: Any, limit: int) -> int:
+    """The element count of a valid shape: at most MAX_DIMS non-negative integers whose product a request
+    could carry at all (a shape of 2**62 elements is refused before anything is allocated)."""
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise bad(f"input {name}: shape must be a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise bad(f"input {name}: shape has {len(shape)} dimensions (at most {MAX_DIMS})")
+    count = math.prod(shape)
+    if count > limit:
+        raise bad(f"input {name}: shape {shape} holds {count} elements, more than a request can carry")
+    return count
+
+
+def decode_tensors(header: dict[str, Any], binary: bytes, max_elements: int = 1 << 31) -> dict[str, np.ndarray]:
     """The request's input tensors by name (JSON `data` or the binary extension), shapes checked."""
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -238,13 +312,10 @@ def decode_tensors(header: dict[str, Any], binary: bytes) -> dict[str, np.ndarra
             raise bad("input without a name")
         if name in tensors:
             raise bad(f"input {name} given twice")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise bad(f"input {name}: shape must be a list of non-negative integers")
-        if datatype not in DTYPES:
+        count = _check_shape(name, shape, max_elements)
+        if not isinstance(datatype, str) or datatype not in DTYPES:
             raise bad(f"input {name}: unknown datatype {datatype!r} (one of {', '.join(DTYPES)})")
         dtype = DTYPES[datatype]
-        count = math.prod(shape)
         params = spec.get("parameters") or {}
         if not isinstance(params, dict):
             raise bad(f"input {name}: parameters must be an object")
@@ -274,7 +345,7 @@ def decode_tensors(header: dict[str, Any], binary: bytes) -> dict[str, np.ndarra
     return tensors
 
 
-async def read_request(request: Request, limit: int) -> tuple[dict[str, Any], bytes]:
+async def read_request(request: Request, limit: int, json_limit: int) -> tuple[dict[str, Any], bytes]:
     body = _inflate(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
     header_length = request.headers.get(HEADER_LENGTH)
     if header_length is not None:
@@ -287,10 +358,11 @@ async def read_request(request: Request, limit: int) -> tuple[dict[str, Any], by
         head, binary = body[:n], body[n:]
     else:
         head, binary = body, b""
+    check_size(len(head), json_limit, "JSON inference header")  # bulk data belongs in the binary extension
     try:
-        header = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"inference header is not valid JSON: {exc}") from None
+        header = loads(head, "inference header")
+    except ServiceError as exc:
+        raise bad(exc.message) from None
     if not isinstance(header, dict):
         raise bad("inference header must be a JSON object")
     return header, binary
@@ -402,7 +474,10 @@ def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str,
     body: dict[str, Any] = {"model_name": rt.name, "model_version": VERSION, "outputs": out_json}
     if isinstance(header.get("id"), str):
         body["id"] = header["id"]
-    head = json.dumps(body).encode()
+    try:
+        head = dumps(body)
+    except NonFiniteOutput:  # JSON has no NaN/Inf; the binary extension carries IEEE floats as they are
+        raise non_finite_error("logits; ask for binary_data output to receive them as raw floats") from None
     if not blobs:
         return Response(head, media_type="application/json")
     return Response(head + b"".join(blobs), media_type="application/octet-stream",
@@ -410,16 +485,22 @@ def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str,
 
 
 @router.post("/v2/models/{name}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
+             responses=error_responses(True, MODEL_CALL),
              summary="Inference (JSON tensors or the binary-data extension)")
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
+             responses=error_responses(True, MODEL_CALL),
              summary="Inference on one version")
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
     async with tracked(runtimes.metrics, runtimes.label(name), "infer"):
         rt = _model(request, name, version)
-        header, binary = await read_request(request, settings.max_body_bytes)
-        tensors = decode_tensors(header, binary)
+        if rt.batcher is not None:  # a request that will get 429 is refused before its body is read
+            rt.batcher.check_room()
+        if rt.scheduler is not None:
+            rt.scheduler.check_exclusive_room()
+        header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
+        tensors = decode_tensors(header, binary, settings.max_body_bytes)
         params = header.get("parameters") or {}
         timeout_us = params.get("timeout") if isinstance(params, dict) else None
         requested = timeout_us / 1e6 if isinstance(timeout_us, (int, float)) and timeout_us > 0 else None

@@ -36,6 +36,9 @@ class Metrics:
             "multimax_requests", "Finished requests by outcome", ("model", "endpoint", "outcome"), registry=r)
         self.pending = Gauge(
             "multimax_pending_requests", "Requests admitted to a model and not yet answered", m, registry=r)
+        self.model_ready = Gauge(
+            "multimax_model_ready", "1 if the model serves requests; 0 if it failed to load, its worker died or "
+            "its recent model calls all failed (see POST /v2/repository/index for why)", m, registry=r)
         # generation
         self.ttft = Histogram(
             "multimax_time_to_first_token_seconds", "Time from arrival to the first generated token",

@@ -3,11 +3,17 @@
 * `ServerTiming`: every response carries `Server-Timing: queue;dur=..., compute;dur=..., total;dur=...`
   (milliseconds); endpoints that queue or compute fill in those two through `request.state.timing`.
 * `BodyLimit`: a body over the limit is refused with 413, from its Content-Length before anything is
-  read, or while it streams in when no length was declared.
+  read, or while it streams in when no length was declared; a body that takes longer than its time
+  limit to arrive gets 408; a client that disconnects while uploading ends its request as cancelled
+  (499, counted as `cancelled`), not as a server error.
+* `GraceExpiry`: when uvicorn's shutdown grace period runs out it cancels the requests still running;
+  one not yet answered gets the documented JSON 503, a running stream ends with an error event.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from dataclasses import dataclass
 
@@ -27,7 +33,9 @@ class Timing:
         self.queue_s, self.compute_s = queue_s, compute_s
 
 
-class ServerTiming:
+class HttpMiddleware:
+    """Passes everything but HTTP (lifespan) straight through; subclasses implement `handle`."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
@@ -35,6 +43,14 @@ class ServerTiming:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class ServerTiming(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
         timing = Timing()
         scope.setdefault("state", {})["timing"] = timing
@@ -59,15 +75,25 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
-class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
+class BodyTimeout(HTTPException):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"request body not received within {seconds:g} s", headers={"Connection": "close"})
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+
+class UploadAbandoned(HTTPException):
+    """The client disconnected before its body was complete: nobody will read the answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected while uploading")
+
+
+class BodyLimit(HttpMiddleware):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
+        super().__init__(app)
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         for key, value in scope.get("headers", ()):
             if key == b"content-length":
                 try:
@@ -85,14 +111,58 @@ class BodyLimit:
                     await response(scope, receive, send)
                     return
         received = 0
+        complete = False
+        due = None if self.timeout_s is None else time.monotonic() + self.timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete or due is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, due - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise BodyTimeout(self.timeout_s or 0.0) from None  # answered 408 by the app's handler
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)  # the app's HTTPException handler answers 413
+            elif message["type"] == "http.disconnect" and not complete:
+                raise UploadAbandoned()
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class GraceExpiry(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started: dict[str, bytes] = {}
+        finished = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.start":
+                started.update((k.lower(), v) for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if finished:
+                raise
+            # uvicorn cancels the requests still running when its shutdown grace period is over: answer them.
+            message = "server is shutting down: the request did not finish within the shutdown grace period"
+            if not started:
+                response = error_response(scope["path"], 503, message, code="shutting_down",
+                                          headers={"Connection": "close", "Retry-After": "1"})
+                await response(scope, receive, send)
+            elif started.get(b"content-type", b"").startswith(b"text/event-stream"):
+                body = {"error": {"message": message, "type": "service_unavailable", "param": None,
+                                  "code": "shutting_down"}}
+                event = b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+            else:
+                raise

@@ -16,14 +16,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.gpt import stop_bytes
-from service.errors import ServiceError, bad_request, openai_body
+from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
-from service.lifecycle import Tracker, tracked, unless_disconnected
+from service.jsonio import check_size, loads
+from service.lifecycle import Tracker, count_refused, tracked, unless_disconnected
 from service.runtime import ModelRuntime, Runtimes
 
 router = APIRouter(tags=["openai"])
@@ -115,7 +118,8 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[model_card(rt) for rt in runtimes.models.values()])
 
 
-@router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model")
+@router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model",
+            responses=error_responses(False, LOOKUP))
 async def get_model(name: str, request: Request) -> ModelCard:
     runtimes: Runtimes = request.app.state.runtimes
     return model_card(runtimes.get(name))
@@ -225,11 +229,85 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic model's JSON schema with its $defs inlined (an OpenAPI requestBody cannot point into them)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+COMPLETION_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inline_refs(CompletionRequest.model_json_schema())}}}}
+
+
+def _prompt_too_long(obj: Any, limit: int) -> bool:
+    """Cheap look at the raw prompt before validation: no prompt may hold more token ids than the context (nor
+    more prompts than allowed), so millions of ids are refused before pydantic walks them."""
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    if not isinstance(prompt, list):
+        return False
+    return len(prompt) > limit or any(isinstance(p, list) and len(p) > limit for p in prompt)
+
+
+async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
+    """The request body as a CompletionRequest: bounded, strict JSON, cheap checks before validation."""
+    settings = runtimes.settings
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        check_size(int(declared), settings.max_json_bytes)
+    body = await request.body()
+    check_size(len(body), settings.max_json_bytes)
+    obj = loads(body)
+    model = obj.get("model") if isinstance(obj, dict) else None
+    rt = runtimes.models.get(model) if isinstance(model, str) else None
+    if rt is not None and rt.scheduler is not None and rt.entry.context_length is not None:
+        limit = max(rt.entry.context_length, settings.max_prompts_per_request)
+        if _prompt_too_long(obj, limit):
+            raise bad_request(f"prompt holds more token ids (or prompts) than this model's context of "
+                              f"{rt.entry.context_length} tokens", "prompt", code="context_length_exceeded")
+    try:
+        return CompletionRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _text_models_full(runtimes: Runtimes) -> None:
+    """429 before the body is read when no text model could take a sequence (the model is named in the body)."""
+    schedulers = [rt.scheduler for rt in runtimes.models.values() if rt.scheduler is not None]
+    if not schedulers:
+        return
+    for sched in schedulers:
+        try:
+            sched.check_room()
+        except ServiceError as exc:
+            error = exc
+            continue
+        return
+    raise error
+
+
 @router.post("/v1/completions", response_model=Completion, summary="Text completion (OpenAI), streamed with SSE",
-             responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"}})
-async def completions(req: CompletionRequest, request: Request) -> Response:
+             openapi_extra=COMPLETION_BODY,
+             responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"},
+                        **error_responses(False, MODEL_CALL)})
+async def completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
+    try:
+        _text_models_full(runtimes)
+        req = await read_completion(request, runtimes)
+    except (ServiceError, RequestValidationError, HTTPException) as exc:
+        if isinstance(exc, ServiceError):
+            count_refused(request.app, request.url.path, exc.status)
+        raise
     async with tracked(runtimes.metrics, runtimes.label(req.model), "completions", finish=False) as tracker:
         rt = runtimes.get(req.model, "text-generation")
         _unsupported(req)

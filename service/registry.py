@@ -3,7 +3,10 @@
 A model is a file stem. `x.onnx` runs on ONNX Runtime, `x.engine`/`x.plan` on TensorRT, `x.pt` on
 PyTorch. When several exist for one stem, `--backend` picks; `auto` prefers ONNX, then the checkpoint,
 then an engine (an engine carries no metadata, so a sibling .onnx/.pt or `x.json` must describe it).
-A file that fails to load is logged and skipped: one broken model never keeps the others offline.
+A file that fails to load or to validate (unreadable, truncated, metadata the server cannot use, a config
+that does not describe the weights) is skipped with one log line and its reason is kept: it is listed
+as UNAVAILABLE by `POST /v2/repository/index` and `multimax_model_ready` is 0 for it. One broken model
+never keeps the others offline.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.tokenizer import ByteTokenizer
 from service.backends.base import Backend, BackendUnavailable
 from service.config import Settings
+from service.vision import Preprocess
 
 log = logging.getLogger("service")
 
@@ -39,6 +44,8 @@ class ModelEntry:
     preprocess: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    preprocessor: Preprocess | None = None  # built from `preprocess` when the model is loaded (validates it)
+    byte_tokenizer: ByteTokenizer | None = None  # likewise from `tokenizer`
 
     @property
     def task(self) -> str:
@@ -119,12 +126,61 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         raise BackendUnavailable(f"{path.name}: a vision model needs labels and preprocess metadata")
     if arch == "gpt" and not meta.get("tokenizer"):
         raise BackendUnavailable(f"{path.name}: a text model needs tokenizer metadata")
-    return ModelEntry(name, arch, backend, dict(meta.get("config") or {}), meta.get("labels"), meta.get("preprocess"),
-                      meta.get("tokenizer"))
+    entry = ModelEntry(name, arch, backend, dict(meta.get("config") or {}), meta.get("labels"),
+                       meta.get("preprocess"), meta.get("tokenizer"))
+    try:
+        validate(entry, path.name)
+    except BaseException:
+        backend.close()
+        raise
+    return entry
+
+
+def _positive_int(config: dict[str, Any], key: str, source: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{source}: config {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def validate(entry: ModelEntry, source: str) -> None:
+    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, config sizes against
+    what the backend really computes (a mismatch would otherwise fail every request)."""
+    from service.backends.checks import check_io
+
+    if entry.arch == "deit":
+        try:
+            entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
+        labels = entry.labels
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            raise ValueError(f"{source}: labels must be a list of strings")
+    else:
+        try:
+            entry.byte_tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
+        _positive_int(entry.config, "block_size", source)
+        vocab = _positive_int(entry.config, "vocab_size", source)
+        if vocab != entry.byte_tokenizer.vocab_size:
+            raise ValueError(f"{source}: config vocab_size {vocab} differs from the tokenizer's "
+                             f"{entry.byte_tokenizer.vocab_size}")
+    check_io(entry, source)
 
 
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:
     """Every servable model in settings.model_dir (restricted to settings.models if given)."""
+    return load_models(settings)[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return text or type(exc).__name__
+
+
+def load_models(settings: Settings) -> tuple[dict[str, ModelEntry], dict[str, str]]:
+    """(servable models, skipped models -> why), for settings.model_dir (restricted to settings.models)."""
     found = scan(settings.model_dir)
     if settings.models:
         missing = [m for m in settings.models if m not in found]
@@ -139,22 +195,25 @@ def load_registry(settings: Settings) -> dict[str, ModelEntry]:
         if why:
             raise RegistryError(f"--backend tensorrt: {why}")
     entries: dict[str, ModelEntry] = {}
+    skipped: dict[str, str] = {}
     for name, files in found.items():
         kind = choose(files, settings.backend)
         if kind is None:
             log.warning("%s: no file for backend %s, skipped", name, settings.backend)
+            skipped[name] = f"no file for backend {settings.backend}"
             continue
         if settings.backend not in ("auto", kind):
             log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
         start = time.perf_counter()
         try:
             entries[name] = load_model(name, kind, files, settings)
-        except (BackendUnavailable, OSError, ValueError, KeyError) as exc:
-            log.error("%s: not served: %s", name, exc)
+        except Exception as exc:  # whatever a bad file raises (MemoryError included), it costs one model only
+            skipped[name] = _one_line(exc)
+            log.error("%s: not served: %s", name, skipped[name])
             continue
         entry = entries[name]
         log.info("loaded %s (%s, %s on %s) in %.2f s", name, entry.task, entry.backend.kind,
                  entry.backend.provider, time.perf_counter() - start)
     if not entries:
         raise RegistryError(f"no servable model in {settings.model_dir} (see the log for why)")
-    return entries
+    return entries, skipped

@@ -44,6 +44,12 @@ class ModelRuntime:
     def task(self) -> str:
         return self.entry.task
 
+    @property
+    def problem(self) -> str | None:
+        """Why this model is not ready (its worker died or keeps failing), or None."""
+        worker = self.batcher or self.scheduler
+        return worker.problem if worker is not None else None
+
     def predict(self, pixel_values: np.ndarray) -> np.ndarray:
         """The batch's logits (float32); classification turns them into probabilities with `softmax`."""
         return self.entry.backend.run_vision(pixel_values).astype(np.float32, copy=False)
@@ -52,20 +58,33 @@ class ModelRuntime:
 class Runtimes:
     """Every served model's runtime; started and stopped with the app (its lifespan)."""
 
-    def __init__(self, entries: dict[str, ModelEntry], settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, entries: dict[str, ModelEntry], settings: Settings, metrics: Metrics,
+                 skipped: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.models: dict[str, ModelRuntime] = {}
+        self.skipped = dict(skipped or {})  # models that failed to load -> why
         self.ready = False
         for name, entry in entries.items():
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{name}")
             rt = ModelRuntime(entry, executor)
             if entry.arch == "deit":
-                rt.preprocess = Preprocess.from_metadata(entry.preprocess or {})
+                rt.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
             else:
-                rt.tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
+                rt.tokenizer = entry.byte_tokenizer or ByteTokenizer.from_dict(entry.tokenizer or {})
             self.models[name] = rt
             metrics.init_model(name, ENDPOINTS[entry.task])
+            metrics.model_ready.labels(name).set_function(lambda rt=rt: float(self.ready and rt.problem is None))
+        for name in self.skipped:
+            metrics.model_ready.labels(name).set(0)
+
+    def problems(self) -> dict[str, str]:
+        """Every model that is not ready, and why (skipped at startup, worker died, keeps failing)."""
+        out = dict(self.skipped)
+        for name, rt in self.models.items():
+            if rt.problem is not None:
+                out[name] = rt.problem
+        return out
 
     def start(self) -> None:
         s = self.settings
@@ -96,6 +115,9 @@ class Runtimes:
 
     def get(self, name: str, task: str | None = None) -> ModelRuntime:
         rt = self.models.get(name)
+        if rt is None and name in self.skipped:
+            raise ServiceError(404, f"model {name!r} is not served: it failed to load ({self.skipped[name]})",
+                               code="model_not_found", param="model")
         if rt is None:
             raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
                                code="model_not_found", param="model")

@@ -8,6 +8,7 @@ bomb costs nothing), or an image that decodes to something unusable.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -89,8 +90,8 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
     return image
 
 
-def preprocess(image: Image.Image, spec: Preprocess) -> np.ndarray:
-    """(C, H, W) float32: convert channels, resize the shorter side, center crop, scale to [0, 1], normalise."""
+def _to_channels(image: Image.Image, channels: str, high: float) -> Image.Image:
+    """`image` in Pillow mode `channels`; transparency goes on black, 16-bit and float scale by `high`."""
     if image.mode not in ("L", "RGB"):
         if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
             # Transparent pixels carry arbitrary colour; put them on black (the digits' background).
@@ -99,18 +100,43 @@ def preprocess(image: Image.Image, spec: Preprocess) -> np.ndarray:
             image = Image.alpha_composite(background, rgba)
         elif image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
             arr = np.asarray(image, dtype=np.float32)
-            hi = float(arr.max()) or 1.0
-            image = Image.fromarray(np.clip(arr / hi * 255.0, 0, 255).astype(np.uint8), "L")
-    image = image.convert(spec.channels)
-    width, height = image.size
+            image = Image.fromarray(np.clip(arr / high * 255.0, 0, 255).astype(np.uint8), "L")
+    return image.convert(channels)
+
+
+def crop_box(width: int, height: int, spec: Preprocess) -> tuple[float, float, float, float]:
+    """The region of the source image that "resize the shorter side to spec.resize, then center-crop
+    spec.image_size" keeps, in source pixels."""
     scale = spec.resize / min(width, height)
-    new_size = (max(spec.image_size, round(width * scale)), max(spec.image_size, round(height * scale)))
-    if new_size != image.size:
-        image = image.resize(new_size, spec.interpolation)
-    if new_size != (spec.image_size, spec.image_size):
-        left, top = (new_size[0] - spec.image_size) // 2, (new_size[1] - spec.image_size) // 2
-        image = image.crop((left, top, left + spec.image_size, top + spec.image_size))
-    arr = np.asarray(image, dtype=np.float32) * (1.0 / 255.0)
+    size = spec.image_size
+    new_w, new_h = max(size, round(width * scale)), max(size, round(height * scale))
+    sx, sy = new_w / width, new_h / height
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    return left / sx, top / sy, (left + size) / sx, (top + size) / sy
+
+
+def preprocess(image: Image.Image, spec: Preprocess) -> np.ndarray:
+    """(C, H, W) float32: convert channels, resize the shorter side, center crop, scale to [0, 1], normalise.
+
+    The crop is taken from the source first and only that region is resampled: no intermediate image is
+    ever larger than the source region plus the filter's support, whatever the aspect ratio (a 8 x 5,000,000
+    image resized as a whole would be 224 x 140,000,000 pixels on the way)."""
+    width, height = image.size
+    size = spec.image_size
+    box = crop_box(width, height, spec)
+    # Keep the pixels the resampling filter reaches beyond the box (3 output pixels for Lanczos, in source pixels).
+    margin = 3 * max((box[2] - box[0]) / size, (box[3] - box[1]) / size) + 1
+    x0, y0 = max(0, math.floor(box[0] - margin)), max(0, math.floor(box[1] - margin))
+    x1, y1 = min(width, math.ceil(box[2] + margin)), min(height, math.ceil(box[3] + margin))
+    high = 1.0
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        extrema = image.getextrema()
+        high = float(extrema[1]) if isinstance(extrema[1], (int, float)) and extrema[1] else 1.0
+    region = _to_channels(image.crop((x0, y0, x1, y1)), spec.channels, high)
+    inner = (box[0] - x0, box[1] - y0, box[2] - x0, box[3] - y0)
+    if region.size != (size, size) or inner != (0, 0, size, size):
+        region = region.resize((size, size), spec.interpolation, box=inner)
+    arr = np.asarray(region, dtype=np.float32) * (1.0 / 255.0)
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
     return ((arr - spec.mean) / spec.std).astype(np.float32, copy=False)
 

@@ -10,14 +10,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.checkpoint import Checkpoint, load
-from models.gpt import KVCache
-from models.loading import CheckpointError
+from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
+from models.deit import DeiT
+from models.gpt import GPT, KVCache
+from models.loading import CheckpointError, check_keys
 from service.backends.base import Backend, BackendUnavailable, Past
 from service.backends.probe import torch_cuda_available
 
 log = logging.getLogger("service")
 _threads_lock = threading.Lock()
+
+
+def check_sizes(ckpt: Checkpoint, source: str) -> None:
+    """The config must describe exactly the weights, checked before any real memory is allocated: a config
+    that claims more layers than the file holds is refused from the keys alone, then the model is built on
+    torch's meta device (shapes without storage) and every weight's shape compared."""
+    depth_key = "depth" if ckpt.arch == "deit" else "n_layer"
+    layers = {k.split(".")[1] for k in ckpt.state_dict if k.startswith("blocks.") and k.count(".") > 1}
+    claimed = ckpt.config.get(depth_key)
+    if not isinstance(claimed, int) or claimed != len(layers):
+        raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {len(layers)} layers")
+    config = config_of(ckpt)
+    with torch.device("meta"):
+        skeleton = DeiT(config) if ckpt.arch == "deit" else GPT(config)  # type: ignore[arg-type]
+    check_keys({k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, ckpt.state_dict, source)
 
 
 class TorchBackend(Backend):
@@ -33,7 +49,9 @@ class TorchBackend(Backend):
             with _threads_lock:  # process-wide in PyTorch: the last model loaded sets it, which is the same value
                 torch.set_num_threads(intra_op_threads)
         try:
-            model, ckpt, _ = load(path)
+            ckpt, _ = parse(read_file(path), str(path))
+            check_sizes(ckpt, path.name)
+            model = build_model(ckpt, str(path))
         except CheckpointError as exc:
             raise BackendUnavailable(str(exc)) from None
         self.checkpoint: Checkpoint = ckpt

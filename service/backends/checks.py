@@ -1,0 +1,55 @@
+"""Startup checks that a model's metadata describes what its backend really computes.
+
+A label list one entry short, an image size the graph does not take, a vocabulary that is not the
+logits' width: each would fail (or silently mislabel) every request, so the model is refused at
+startup instead, with the mismatch named. Dimensions the backend leaves dynamic are not compared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.registry import ModelEntry
+
+
+def _static(dims: Any) -> list[int | None]:
+    return [d if isinstance(d, int) and d > 0 else None for d in (dims or [])]
+
+
+def _shown(dims: list[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def _compare(source: str, what: str, got: list[int | None], want: list[int | None]) -> None:
+    if len(got) != len(want) or any(g is not None and w is not None and g != w
+                                    for g, w in zip(got, want, strict=True)):
+        raise ValueError(f"{source}: {what} has shape {_shown(got)}, the metadata says {_shown(want)}")
+
+
+def check_io(entry: ModelEntry, source: str) -> None:
+    cfg = entry.config
+    if entry.arch == "deit":
+        assert entry.preprocessor is not None
+        classes = len(entry.labels or [])
+        if isinstance(cfg.get("num_classes"), int) and cfg["num_classes"] != classes:
+            raise ValueError(f"{source}: {classes} labels for a model of {cfg['num_classes']} classes")
+        if isinstance(cfg.get("in_chans"), int) and cfg["in_chans"] != entry.preprocessor.shape[0]:
+            raise ValueError(f"{source}: preprocess gives {entry.preprocessor.shape[0]} channels, the model takes "
+                             f"{cfg['in_chans']}")
+    session = getattr(entry.backend, "session", None)
+    if session is None:  # PyTorch: the config was checked against the weights; TensorRT: its engine decides
+        return
+    inputs = {i.name: _static(i.shape) for i in session.get_inputs()}
+    outputs = {o.name: _static(o.shape) for o in session.get_outputs()}
+    if entry.arch == "deit":
+        assert entry.preprocessor is not None
+        _compare(source, "input pixel_values", inputs.get("pixel_values", []), [None, *entry.preprocessor.shape])
+        _compare(source, "output logits", outputs.get("logits", []), [None, len(entry.labels or [])])
+    else:
+        _compare(source, "output logits", outputs.get("logits", []), [None, None, int(cfg["vocab_size"])])
+        n_head, n_embd = cfg.get("n_head"), cfg.get("n_embd")
+        if isinstance(n_head, int) and isinstance(n_embd, int) and n_head > 0:
+            for name, dims in inputs.items():
+                if name.startswith("past_key_values."):
+                    _compare(source, f"input {name}", dims, [None, n_head, None, n_embd // n_head])
