@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,10 +33,10 @@ from service.config import Settings
 from service.loadtest.prom import parse_metrics
 from service.metrics import Metrics
 from service.ray.metrics import MetricsHub, snapshot
+from service.ray.netns import NamespaceUnavailable, loopback_namespace
 from service.ray.options import argv_from_mapping, parse
 
 ROOT = Path(__file__).resolve().parents[1]
-CLONE_NEWNET = 0x40000000
 START_TIMEOUT_S = 240  # a local Ray start is 15-20 s on 2 idle cores; replicas load their models after
 
 
@@ -73,6 +70,16 @@ def test_builder_args_map_to_the_same_options() -> None:
     assert argv == ["--replicas", "2", "--model-dir", "models/demo", "--models", "a,b", "--torch-compile", "True"]
     settings, scale = parse(argv)
     assert settings.models == ("a", "b") and settings.torch_compile and scale.replicas == 2
+
+
+def test_cli_refuses_a_bad_model_dir_before_starting_ray(tmp_path: Path) -> None:
+    for args, why in ((["--model-dir", str(tmp_path / "none")], "does not exist"),
+                      (["--model-dir", str(tmp_path)], "no model file"),
+                      (["--models", "nope"], "no model nope")):
+        proc = subprocess.run([sys.executable, "-m", "service.ray", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_metrics_hub_labels_each_replica_and_drops_dead_ones() -> None:
@@ -129,42 +136,6 @@ def cluster(test: Any) -> Any:
     return pytest.mark.ray(pytest.mark.slow(pytest.mark.timeout(300)(test)))
 
 
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "setns failed")
-
-
-@contextlib.contextmanager
-def loopback_namespace() -> Iterator[str]:
-    """Run this thread (and what it starts) in a new network namespace with only `lo`; on exit kill whatever
-    still runs there (only this test's processes can) and delete it."""
-    if shutil.which("ip") is None:
-        pytest.skip("Ray tests need a loopback-only network namespace: the `ip` command (iproute2) is missing")
-    name = f"mmx-ray-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"Ray tests need a loopback-only network namespace and none can be created here "
-                    f"(`ip netns add` needs root): {made.stderr.strip()}")
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        target = os.open(f"/run/netns/{name}", os.O_RDONLY)
-        _setns(target)
-        os.close(target)
-        try:
-            yield name
-        finally:
-            _setns(original)
-    finally:
-        os.close(original)
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-
-
 class RayServer:
     def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
         self.proc, self.url, self.log = proc, url, log
@@ -182,7 +153,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
     pytest.importorskip("ray", reason="Ray Serve is the optional `ray` extra (pip install -e '.[ray]')")
-    with loopback_namespace():
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(loopback_namespace("mmx-ray-test"))
+        except NamespaceUnavailable as exc:
+            pytest.skip(f"Ray tests need a loopback-only network namespace and none can be made here: {exc}")
         port = _free_port()
         log = tmp_path_factory.mktemp("ray") / "server.log"
         # small limits so that backpressure shows with a few dozen requests; one decode slot per replica so
