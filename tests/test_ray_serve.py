@@ -53,7 +53,10 @@ def test_options_reuse_the_service_options_and_check_the_ray_ones(capsys: pytest
     assert opts["backpressure_config"].status_code == 429 and opts["backpressure_config"].retry_after_s == 1
     assert opts["graceful_shutdown_timeout_s"] == settings.graceful_timeout_s
 
-    _, auto = parse(["--min-replicas", "0", "--max-replicas", "4", "--target-ongoing-requests", "6"])
+    assert scale.proxy == "python" and scale.ray_environment()["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    _, auto = parse(["--min-replicas", "0", "--max-replicas", "4", "--target-ongoing-requests", "6", "--proxy",
+                     "haproxy"])
+    assert auto.ray_environment() == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     cfg = auto.deployment_options(Settings())["autoscaling_config"]
     assert (cfg.min_replicas, cfg.max_replicas, cfg.initial_replicas, cfg.target_ongoing_requests) == (0, 4, 1, 6)
 

@@ -9,6 +9,7 @@ lifespan shutdown drains its batchers and decode loops.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -33,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
 
+    if scale.address is None:
+        for key, value in scale.ray_environment().items():
+            os.environ.setdefault(key, value)  # an explicit environment wins
+    else:
+        log.info("--proxy applies to a local cluster; %s uses the proxy its nodes were started with", scale.address)
     import ray
     from ray import serve
 

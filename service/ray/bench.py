@@ -32,7 +32,7 @@ from service.config import Settings
 from service.loadtest.config import LoadConfig
 from service.loadtest.runner import run_async, run_coroutine
 from service.ray.netns import loopback_namespace
-from service.ray.options import ScaleOptions
+from service.ray.options import PROXIES, ScaleOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("single", "ray-1", "ray-2")
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--netns", action="store_true", help="run everything in a new loopback-only network namespace "
                    "(root; Ray then binds to 127.0.0.1 only)")
+    p.add_argument("--proxy", choices=PROXIES, default="python", help="Ray's ingress, as python -m service.ray --proxy")
     p.add_argument("-o", "--out", type=Path, help="write every measurement as JSON")
     args = p.parse_args(argv)
     with loopback_namespace("mmx-ray-bench") if args.netns else contextlib.nullcontext():
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    for key, value in ScaleOptions(proxy=args.proxy).ray_environment().items():
+        os.environ.setdefault(key, value)  # read by Ray at import
     import ray
     from ray import serve
 

@@ -15,7 +15,8 @@ from typing import Any
 from service.config import Settings, build_parser, load_settings
 
 PROG = "python -m service.ray"
-RAY_OPTIONS = ("address", "app_name", "replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
+PROXIES = ("python", "haproxy")
+RAY_OPTIONS = ("address", "proxy", "app_name", "replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
                "max_ongoing_requests", "max_queued_requests", "retry_after_s", "replica_cpus", "replica_gpus",
                "health_check_period_s", "metrics_push_s")
 
@@ -25,6 +26,7 @@ class ScaleOptions:
     """How the deployment runs on Ray; None means 'derived from the service's settings' (see `resolve`)."""
 
     address: str | None = None  # None: start a local Ray cluster in this process
+    proxy: str = "python"  # local cluster: Ray Serve's Python proxy, or its HAProxy ingress (throughput-optimized)
     app_name: str = "multimax"
     replicas: int | None = None  # fixed count; None with neither min nor max given: 1
     min_replicas: int | None = None  # autoscaling when min or max is given
@@ -39,6 +41,8 @@ class ScaleOptions:
     metrics_push_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.proxy not in PROXIES:
+            raise ValueError(f"proxy must be one of {', '.join(PROXIES)}, got {self.proxy!r}")
         if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
             raise ValueError("give either --replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling)")
         for name in ("replicas", "max_replicas", "max_ongoing_requests"):
@@ -74,6 +78,12 @@ class ScaleOptions:
         if self.max_queued_requests is not None:
             return self.max_queued_requests
         return 2 * self.max_ongoing(settings)
+
+    def ray_environment(self) -> dict[str, str]:
+        """Environment a local cluster needs before Ray is imported (Ray reads these flags at import)."""
+        if self.proxy == "haproxy":
+            return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
 
     def deployment_options(self, settings: Settings) -> dict[str, Any]:
         """Keyword arguments of `Deployment.options` for the service's replicas."""
@@ -113,6 +123,11 @@ def build_ray_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("Ray Serve")
     g.add_argument("--address", default=None, help="Ray cluster to deploy on (e.g. auto, ray://head:10001); "
                    "default: start a local cluster in this process and stop it on exit")
+    g.add_argument("--proxy", choices=PROXIES, default=d.proxy,
+                   help="ingress of a local cluster: python (Ray's proxy actor) or haproxy (Ray's HAProxy ingress "
+                   "and throughput-optimized mode: RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1; "
+                   "faster, but a request can fail when a replica crashes, see docs/DEPLOY.md); on an existing "
+                   "cluster the environment its nodes were started with decides (default %(default)s)")
     g.add_argument("--app-name", default=d.app_name, help="Serve application name (default %(default)s)")
     g.add_argument("--replicas", type=int, metavar="N", help="fixed number of replicas (default 1)")
     g.add_argument("--min-replicas", type=int, metavar="N", help="autoscaling: fewest replicas (0 allowed)")
