@@ -37,15 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     if scale.address is None:
         for key, value in scale.ray_environment().items():
             os.environ.setdefault(key, value)  # an explicit environment wins
-    else:
-        log.info("--proxy applies to a local cluster; %s uses the proxy its nodes were started with", scale.address)
+    elif scale.proxy != "python":
+        log.warning("--proxy applies to a local cluster; %s uses the proxy its nodes were started with", scale.address)
     import ray
     from ray import serve
 
     from service.ray.app import build_app
 
-    ray.init(address=scale.address, namespace="multimax", log_to_driver=settings.log_level == "debug",
-             configure_logging=False)
+    try:
+        ray.init(address=scale.address, namespace="multimax", log_to_driver=settings.log_level == "debug",
+                 configure_logging=False)
+    except Exception as exc:  # no cluster at --address, or a local one that cannot start
+        print(f"{PROG}: error: cannot start or reach Ray ({scale.address or 'local'}): {exc}", file=sys.stderr)
+        return 1
     # After ray.init, which installs its own fatal-signal handler for SIGTERM: ours drains instead.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
