@@ -145,6 +145,11 @@ class DynamicBatcher:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher-{self.model}")
 
+    @property
+    def alive(self) -> bool:
+        """False once the worker loop has ended (closed, or died of a bug): nothing queued will be served."""
+        return self._task is not None and not self._task.done()
+
     async def close(self) -> None:
         """Refuse new work, finish what is queued, stop."""
         self._closing = True

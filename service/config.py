@@ -175,10 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Settings from defaults, then environment, then command line; exits 2 with one line on bad values."""
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                  parser: argparse.ArgumentParser | None = None) -> Settings:
+    """Settings from defaults, then environment, then command line; exits 2 with one line on bad values.
+    `parser`: build_parser()'s parser with more options added (another entry point, e.g. service.ray)."""
     environ = os.environ if environ is None else environ
-    parser = build_parser()
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for opt in OPTIONS:

@@ -252,6 +252,11 @@ class TextScheduler:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{self.model}")
 
+    @property
+    def alive(self) -> bool:
+        """False once the decode loop has ended (closed, or died of a bug): no sequence will advance."""
+        return self._task is not None and not self._task.done()
+
     async def close(self) -> None:
         """Refuse new sequences, finish the accepted ones, stop."""
         self._closing = True

@@ -113,6 +113,14 @@ class Runtimes:
             rt.executor.shutdown(wait=True)
             rt.entry.backend.close()
 
+    def dead_loops(self) -> list[str]:
+        """Models whose batcher or decode loop ended while the server is serving (a health check fails on
+        these: the process cannot recover them, a supervisor should replace it)."""
+        if not self.ready:
+            return []  # not started yet, or stopping: the loops end on purpose
+        return [rt.name for rt in self.models.values()
+                if (loop := rt.batcher or rt.scheduler) is not None and not loop.alive]
+
     def get(self, name: str, task: str | None = None) -> ModelRuntime:
         rt = self.models.get(name)
         if rt is None and name in self.skipped:
