@@ -12,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
 from export.progress import Phases, exporter_stages
 from export.samples import default_samples
+from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph, validate_text, validate_vision
 from models.checkpoint import load
 from models.loading import CheckpointError
@@ -48,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
     precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
     p.add_argument("--trt", action="store_true", help="also build a TensorRT engine with the MultiMax plugin (GPU)")
+    p.add_argument("--threads", type=int, help="PyTorch threads for the reference pass (default: the cores idle "
+                   "when the export starts)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -61,6 +66,17 @@ def run(args: argparse.Namespace) -> int:
         reason = trt_unavailable()
         if reason:
             raise ExportError(f"--trt: {reason}")
+    if args.threads is not None and args.threads < 1:
+        raise ExportError(f"--threads must be >= 1, got {args.threads}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads or idle_cores())
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous)  # a caller in the same process (tests, export.demos) keeps its own
+
+
+def _run(args: argparse.Namespace) -> int:
     precision = "fp16" if args.fp16 else "int8" if args.int8 else "fp32"
     phases = Phases(show=not args.quiet)
     ckpt_path = Path(args.checkpoint)
@@ -85,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "multimax_places": [p for p in ("attention", "output") if ckpt.config.get(f"multimax_{p}")],
         "inlined": args.inline,
         "export_seconds": round(phases.times[label], 2),
+        "torch_threads": torch.get_num_threads(),
     }
     with phases.phase("check graph"):
         report["graph"] = check_graph(out, ckpt.arch)
@@ -199,7 +216,7 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
     engine = report.get("engine")
     if engine and "path" in engine:
         lines.append(f"  TensorRT engine with the MultiMax plugin: {engine['path']} ({engine['seconds']:.1f} s)")
-    lines.append(f"  times: {phases.summary()}")
+    lines.append(f"  times: {phases.summary()} (PyTorch threads {report['torch_threads']})")
     lines.append(report["verdict"])
     lines.append(f"report: {report_path}")
     return "\n".join(lines)
