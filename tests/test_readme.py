@@ -12,8 +12,9 @@ starts the server (`python -m service`) gets it on a free port, and its `localho
 A block preceded by `<!-- readme-test: slow -->` is marked slow.
 
 Output matching: each line the README shows must appear, in order, among the lines the command printed.
-Durations (`7.3 s`, `7.39 ms/image`) and numbers in scientific notation (floating-point differences, which
-depend on the CPU) match any number; everything else must match exactly.
+Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation (floating-point differences, which
+depend on the CPU) and the export's thread count (chosen from the load) match any number; everything else
+must match exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ SLOW_MARK = "<!-- readme-test: slow -->"
 SETUP_PARTS = (re.compile(r"python3 -m venv \.venv$"), re.compile(r"\.venv/bin/pip install .*"))
 SELF = re.compile(r"(\.venv/bin/)?python -m pytest\b.*")  # the command running this test
 SERVER = re.compile(r"python -m service( &)?(\s+#.*)?$")
-VOLATILE = re.compile(r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+")
+# Durations, floating-point differences (CPU-dependent) and the thread count chosen from the machine's load.
+VOLATILE = re.compile(r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+|(?<=PyTorch threads )\d+")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
