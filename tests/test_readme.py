@@ -12,9 +12,9 @@ starts the server (`python -m service`) gets it on a free port, and its `localho
 A block preceded by `<!-- readme-test: slow -->` is marked slow.
 
 Output matching: each line the README shows must appear, in order, among the lines the command printed.
-Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation (floating-point differences, which
-depend on the CPU) and the export's thread count (chosen from the load) match any number; everything else
-must match exactly.
+Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation or with six or more decimals
+(floating-point differences and full-precision probabilities, which depend on the CPU) and the export's
+thread count (chosen from the load) match any number; everything else must match exactly.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ SETUP_PARTS = (re.compile(r"python3 -m venv \.venv$"), re.compile(r"\.venv/bin/p
 SELF = re.compile(r"(\.venv/bin/)?python -m pytest\b.*")  # the command running this test
 SERVER = re.compile(r"python -m service( &)?(\s+#.*)?$")
 # Durations, floating-point differences (CPU-dependent) and the thread count chosen from the machine's load.
-VOLATILE = re.compile(r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+|(?<=PyTorch threads )\d+")
+VOLATILE = re.compile(
+    r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+|\d\.\d{6,}|(?<=PyTorch threads )\d+"
+)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
