@@ -78,7 +78,7 @@ def readme_blocks(text: str) -> list[Block]:
                     i += 1
                     cmd = cmd[:-1] + lines[i].strip()
                 commands.append(Command(cmd))
-            elif commands:
+            elif commands and line.strip():  # blank lines only separate commands
                 commands[-1].expected.append(line)
             i += 1
         blocks.append(Block(start, slow, commands))
