@@ -79,12 +79,13 @@ def export_vision(
     opset: int = DEFAULT_OPSET,
     inline: bool = False,
     precision: Precision = "fp32",
+    verbose: bool = False,
 ) -> Path:
     """Export a DeiT to `out` (atomically); batch is the one dynamic axis, named "batch"."""
     cfg = ckpt.config
     example = torch.randn(2, cfg["in_chans"], cfg["img_size"], cfg["img_size"])
     module = _Vision(_in_dtype(model, precision), DTYPES[precision])
-    program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], {VISION_INPUT: {0: "batch"}}, opset)
+    program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], {VISION_INPUT: {0: "batch"}}, opset, verbose)
     return _finish(program, ckpt, out, opset, inline, precision)
 
 
@@ -119,6 +120,7 @@ def export_text(
     opset: int = DEFAULT_OPSET,
     inline: bool = False,
     precision: Precision = "fp32",
+    verbose: bool = False,
 ) -> Path:
     """Export a GPT as one decoder graph with KV cache (prefill when the past is empty, else decode)."""
     cfg = model.config
@@ -141,7 +143,7 @@ def export_text(
     }
     inputs, outputs = text_io_names(cfg.n_layer)
     module = _Decoder(_in_dtype(model, precision), DTYPES[precision])
-    program = _trace(module, (ids, mask, positions, past), inputs, outputs, dynamic, opset)
+    program = _trace(module, (ids, mask, positions, past), inputs, outputs, dynamic, opset, verbose)
     return _finish(program, ckpt, out, opset, inline, precision)
 
 
@@ -154,8 +156,10 @@ def _in_dtype(model: nn.Module, precision: Precision) -> nn.Module:
 
 
 def _trace(
-    module: nn.Module, args: tuple, inputs: list[str], outputs: list[str], dynamic: dict, opset: int
+    module: nn.Module, args: tuple, inputs: list[str], outputs: list[str], dynamic: dict, opset: int,
+    verbose: bool = False,
 ) -> torch.onnx.ONNXProgram:
+    """The dynamo exporter; `verbose` lets its step lines ("Run decompositions...") through to stdout."""
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" chatter: not the user's concern
@@ -170,7 +174,7 @@ def _trace(
                 input_names=inputs,
                 output_names=outputs,
                 dynamic_shapes=dynamic,
-                verbose=False,
+                verbose=verbose,
             )
     finally:
         exporter_log.setLevel(level)

@@ -11,9 +11,9 @@ import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from export.onnx_export import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_io_names
+from export.progress import Phases
 from models.gpt import generate
 
 LOGITS_ATOL = 1e-4
@@ -105,8 +105,13 @@ def validate_vision(
     seed: int = 0,
     progress: bool = True,
     tolerance: Tolerance = TOLERANCES["fp32"],
+    phases: Phases | None = None,
 ) -> dict[str, Any]:
-    """`samples` random images spread over `batch_sizes`, compared at two ORT optimisation levels."""
+    """`samples` random images spread over `batch_sizes`, compared at two ORT optimisation levels.
+
+    The PyTorch reference is computed once and reused for both levels; each phase shows its progress.
+    """
+    phases = phases or Phases(progress)
     shape = (config["in_chans"], config["img_size"], config["img_size"])
     generator = torch.Generator().manual_seed(seed)
     batches = []
@@ -116,25 +121,27 @@ def validate_vision(
         batches.append(torch.randn((b, *shape), generator=generator))
         remaining -= b
         i += 1
-    with torch.no_grad():
-        refs = [model(x).numpy() for x in batches]
+    refs = []
+    with phases.phase("reference (PyTorch)", total=samples, unit="image") as bar, torch.no_grad():
+        for x in batches:
+            refs.append(model(x).numpy())
+            bar.update(len(x))
     report: dict[str, Any] = {"samples": samples, "batch_sizes": list(batch_sizes), "tolerance": asdict(tolerance)}
-    bar = tqdm(total=len(LEVELS) * len(batches), desc="validate", disable=not progress, unit="batch")
     failures: list[str] = []
     for name, level in LEVELS.items():
-        session = cpu_session(path, level)
-        diffs, rels, agree, nans = [], [], 0, 0
-        for x, ref in zip(batches, refs, strict=True):
-            out = session.run([VISION_OUTPUT], {VISION_INPUT: x.numpy()})[0]
-            nans += int(np.isnan(out).sum())
-            diff = np.abs(out - ref)
-            diffs.append(diff.ravel())
-            rels.append((diff / np.maximum(np.abs(ref), 1e-6)).ravel())
-            agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
-            bar.update()
+        with phases.phase(f"onnxruntime {name}", total=samples, unit="image") as bar:
+            session = cpu_session(path, level)
+            diffs, rels, agree, nans = [], [], 0, 0
+            for x, ref in zip(batches, refs, strict=True):
+                out = session.run([VISION_OUTPUT], {VISION_INPUT: x.numpy()})[0]
+                nans += int(np.isnan(out).sum())
+                diff = np.abs(out - ref)
+                diffs.append(diff.ravel())
+                rels.append((diff / np.maximum(np.abs(ref), 1e-6)).ravel())
+                agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
+                bar.update(len(x))
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
-    bar.close()
     report["failures"] = failures
     report["passed"] = not failures
     return report
@@ -228,44 +235,50 @@ def validate_text(
     seed: int = 0,
     progress: bool = True,
     tolerance: Tolerance = TOLERANCES["fp32"],
+    phases: Phases | None = None,
 ) -> dict[str, Any]:
     """Random decoder calls (every 4th with an empty past) at two ORT levels, then greedy generation."""
+    phases = phases or Phases(progress)
     rng = np.random.default_rng(seed)
-    cases = [_text_case(model, rng, 0 if i % 4 == 0 else int(rng.integers(1, max_past + 1))) for i in range(samples)]
+    cases = []
+    with phases.phase("reference (PyTorch)", total=samples, unit="case") as bar:
+        for i in range(samples):
+            cases.append(_text_case(model, rng, 0 if i % 4 == 0 else int(rng.integers(1, max_past + 1))))
+            bar.update()
     n_layer = model.config.n_layer
     _, output_names = text_io_names(n_layer)
     report: dict[str, Any] = {
         "samples": samples, "batch_sizes": [1, 8], "past_lengths": [0, max_past], "new_tokens": [1, 8],
         "tolerance": asdict(tolerance),
     }
-    bar = tqdm(total=len(LEVELS) * samples + prompts, desc="validate", disable=not progress, unit="case")
     failures: list[str] = []
     for name, level in LEVELS.items():
-        session = cpu_session(path, level)
-        logit_diffs, logit_rels, kv_diffs, nans, agree, rows = [], [], [], 0, 0, 0
-        for feed, refs in cases:
-            outs = session.run(output_names, feed)
-            nans += sum(int(np.isnan(o).sum()) for o in outs)
-            diff = np.abs(outs[0] - refs[0])
-            logit_diffs.append(diff.ravel())
-            logit_rels.append((diff / np.maximum(np.abs(refs[0]), 1e-6)).ravel())
-            kv_diffs.extend(np.abs(o - r).ravel() for o, r in zip(outs[1:], refs[1:], strict=True))
-            agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
-            rows += refs[0].shape[0]
-            bar.update()
+        with phases.phase(f"onnxruntime {name}", total=samples, unit="case") as bar:
+            session = cpu_session(path, level)
+            logit_diffs, logit_rels, kv_diffs, nans, agree, rows = [], [], [], 0, 0, 0
+            for feed, refs in cases:
+                outs = session.run(output_names, feed)
+                nans += sum(int(np.isnan(o).sum()) for o in outs)
+                diff = np.abs(outs[0] - refs[0])
+                logit_diffs.append(diff.ravel())
+                logit_rels.append((diff / np.maximum(np.abs(refs[0]), 1e-6)).ravel())
+                kv_diffs.extend(np.abs(o - r).ravel() for o, r in zip(outs[1:], refs[1:], strict=True))
+                agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
+                rows += refs[0].shape[0]
+                bar.update()
         present_max = float(np.concatenate(kv_diffs).max())
         report[name] = _stats(logit_diffs, logit_rels) | {
             "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
         }
         failures += _failures(name, report[name], tolerance, "next_token_agreement")
-    session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
     identical = 0
-    for _ in range(prompts):
-        prompt = [int(v) for v in rng.integers(32, 127, int(rng.integers(1, 17)))]  # printable ASCII
-        ref = generate(model, prompt, gen_tokens, temperature=0)[0]
-        identical += ort_greedy(session, prompt, gen_tokens, n_layer) == ref
-        bar.update()
-    bar.close()
+    with phases.phase("greedy generation", total=prompts, unit="prompt") as bar:
+        session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
+        for _ in range(prompts):
+            prompt = [int(v) for v in rng.integers(32, 127, int(rng.integers(1, 17)))]  # printable ASCII
+            ref = generate(model, prompt, gen_tokens, temperature=0)[0]
+            identical += ort_greedy(session, prompt, gen_tokens, n_layer) == ref
+            bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")

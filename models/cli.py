@@ -113,7 +113,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     if args.task == "demos":
-        report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet)
+        kinds = (args.only,) if args.only else ("vision", "text")
+        report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet, kinds=kinds)
         print(json.dumps(report, indent=2))
         return 0
     if not args.output:
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="text optimisation steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--only", choices=("vision", "text"), help="demos: retrain only these models (report.json kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

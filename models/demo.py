@@ -51,21 +51,33 @@ def text_checkpoint(result: dict[str, Any]) -> Checkpoint:
     )
 
 
-def build_demos(out_dir: Path, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Train the three demo models and write them (and report.json) into `out_dir`."""
+def build_demos(out_dir: Path, seed: int = 0, progress: bool = True,
+                kinds: tuple[str, ...] = ("vision", "text")) -> dict[str, Any]:
+    """Train the demo models of `kinds` and write them into `out_dir`, with report.json (entries of the kinds not
+    retrained are kept)."""
+    from models.fingerprint import training_fingerprint
     from models.train_text import train_text
     from models.train_vision import train_vision
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"seed": seed, "torch": torch.__version__}
-    for name, places in ((VISION_MULTIMAX, ("attention", "output")), (VISION_SOFTMAX, ())):
-        result = train_vision(multimax=places, seed=seed, progress=progress)
-        save_checkpoint(vision_checkpoint(result), out_dir / name)
-        report[name] = result["metrics"]
-    result = train_text(seed=seed, progress=progress)
-    save_checkpoint(text_checkpoint(result), out_dir / TEXT_MULTIMAX)
-    report[TEXT_MULTIMAX] = result["metrics"] | {"samples": result["samples"]}
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_path = out_dir / "report.json"
+    report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    report |= {"seed": seed, "torch": torch.__version__}
+    report.setdefault("fingerprint", {})
+    report.setdefault("threads", {})
+    if "vision" in kinds:
+        for name, places in ((VISION_MULTIMAX, ("attention", "output")), (VISION_SOFTMAX, ())):
+            result = train_vision(multimax=places, seed=seed, progress=progress)
+            save_checkpoint(vision_checkpoint(result), out_dir / name)
+            report[name] = result["metrics"]
+    if "text" in kinds:
+        result = train_text(seed=seed, progress=progress)
+        save_checkpoint(text_checkpoint(result), out_dir / TEXT_MULTIMAX)
+        report[TEXT_MULTIMAX] = result["metrics"] | {"samples": result["samples"]}
+    for kind in kinds:
+        report["fingerprint"][kind] = training_fingerprint(kind)
+        report["threads"][kind] = torch.get_num_threads()  # float sums, hence bits, depend on the thread count
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

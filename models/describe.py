@@ -102,7 +102,14 @@ def format_text(d: dict[str, Any]) -> str:
         rows.append(("tokenizer", f"{d['tokenizer'].get('type')} ({d['tokenizer'].get('vocab_size')} tokens)"))
     metrics = d["meta"].get("metrics")
     if metrics:
-        rows.append(("metrics", ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in metrics.items())))
+        rows.append(("metrics", ", ".join(f"{k} {_value(v)}" for k, v in metrics.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _value(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):  # e.g. accuracy per kind of input
+        return "(" + ", ".join(f"{k} {_value(x)}" for k, x in v.items()) + ")"
+    return str(v)

@@ -15,16 +15,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.deit import DeiT, DeiTConfig
+from models.digit_inputs import IMAGE_SIZE, variant_accuracies
 from models.training import param_groups, warmup_cosine
 
-IMAGE_SIZE = 32
 DIGITS_PREPROCESS: dict[str, Any] = {
     "channels": "L",
     "image_size": IMAGE_SIZE,
     "resize": IMAGE_SIZE,
     "interpolation": "bilinear",
     "crop": "center",
-    # Pixels are scaled to [0, 1] first; the digits are light ink on a dark background.
+    # Pixels are scaled to [0, 1] first; trained on light-on-dark and dark-on-light digits alike.
     "mean": [0.5],
     "std": [0.5],
 }
@@ -47,34 +47,61 @@ def demo_config(multimax: tuple[str, ...]) -> DeiTConfig:
     )
 
 
-def digits_split(seed: int = 0, heldout: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stratified train/held-out split of the digits as (N, 1, 32, 32) floats in [0, 1]."""
+def digits_8x8_split(
+    seed: int = 0, heldout: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stratified train/held-out split of the original digits as (N, 1, 8, 8) floats in [0, 1]."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
     images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-    images = F.interpolate(images, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
     labels = torch.tensor(digits.target, dtype=torch.long)
     idx = np.arange(len(labels))
     train_idx, test_idx = train_test_split(idx, test_size=heldout, random_state=seed, stratify=digits.target)
     return images[train_idx], labels[train_idx], images[test_idx], labels[test_idx]
 
 
+def digits_split(seed: int = 0, heldout: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same split upscaled bilinearly to (N, 1, 32, 32), the demo's plain input."""
+    x_train, y_train, x_test, y_test = digits_8x8_split(seed, heldout)
+    return upscale(x_train), y_train, upscale(x_test), y_test
+
+
+def upscale(digits8: torch.Tensor) -> torch.Tensor:
+    return F.interpolate(digits8, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
+
+
 def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images - 0.5) / 0.5
 
 
-def augment(images: torch.Tensor, generator: torch.Generator, max_shift: int = 3) -> torch.Tensor:
-    """Random translation by up to `max_shift` pixels (zero padding = background)."""
-    n = images.shape[0]
-    padded = F.pad(images, (max_shift,) * 4)
-    dx = torch.randint(0, 2 * max_shift + 1, (n,), generator=generator)
-    dy = torch.randint(0, 2 * max_shift + 1, (n,), generator=generator)
-    rows = dy[:, None] + torch.arange(IMAGE_SIZE)[None, :]
-    cols = dx[:, None] + torch.arange(IMAGE_SIZE)[None, :]
-    batch = torch.arange(n)[:, None, None]
-    return padded[:, 0][batch, rows[:, :, None], cols[:, None, :]].unsqueeze(1)
+# Resampling filters people upscale a small digit with ("area" stands for a downscaled large drawing).
+RESAMPLE_MODES = ("bilinear", "nearest", "bicubic", "area")
+MIN_DIGIT_SIZE = 24  # the digit's box side on the 32x32 canvas: half of them 32 (filling it, as users draw), else 24-31
+
+
+def augment(digits8: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """32x32 inputs in [0, 1] from 8x8 digits, as people send them: each digit upscaled with a random filter to a
+    random size (24-32 px), placed at a random position, with random ink contrast, and half of them inverted
+    (dark ink on a light background)."""
+    n = digits8.shape[0]
+    out = torch.zeros(n, 1, IMAGE_SIZE, IMAGE_SIZE)
+    modes = torch.randint(0, len(RESAMPLE_MODES), (n,), generator=generator)
+    sizes = torch.randint(MIN_DIGIT_SIZE, IMAGE_SIZE, (n,), generator=generator)
+    unit = torch.rand(n, 5, generator=generator)
+    sizes = torch.where(unit[:, 4] < 0.5, IMAGE_SIZE, sizes)
+    for i in range(n):
+        mode, size = RESAMPLE_MODES[int(modes[i])], int(sizes[i])
+        src = digits8[i : i + 1]
+        if mode == "area":  # a large drawing shrunk: nearest up to 4x the size, then averaged down
+            src = F.interpolate(src, size=(4 * size, 4 * size), mode="nearest")
+        kwargs = {} if mode in ("nearest", "area") else {"align_corners": False}
+        digit = F.interpolate(src, size=(size, size), mode=mode, **kwargs).clamp(0, 1)
+        top, left = (int(u * (IMAGE_SIZE - size + 1)) for u in unit[i, :2])
+        out[i, :, top : top + size, left : left + size] = digit[0] * (0.75 + 0.25 * unit[i, 2])
+    invert = (unit[:, 3] < 0.5).view(n, 1, 1, 1)
+    return torch.where(invert, 1 - out, out)
 
 
 @torch.no_grad()
@@ -90,7 +117,7 @@ def accuracy(model: DeiT, images: torch.Tensor, labels: torch.Tensor, batch_size
 def train_vision(
     *,
     multimax: tuple[str, ...] = ("attention", "output"),
-    epochs: int = 60,
+    epochs: int = 120,
     batch_size: int = 64,
     lr: float = 2e-3,
     weight_decay: float = 0.05,
@@ -100,13 +127,14 @@ def train_vision(
     """Train from scratch; returns config, weights, labels, preprocessing and held-out metrics."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    x_train, y_train, x_test, y_test = digits_split(seed)
+    x_train, y_train, x_test, y_test = digits_8x8_split(seed)
     config = demo_config(multimax)
     model = DeiT(config)
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999))
     steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
     total = epochs * steps_per_epoch
-    scheduler = warmup_cosine(optimizer, warmup=5 * steps_per_epoch, total=total)
+    # Five warm-up epochs (fewer for the short runs the tests do: a quarter of them, at least one).
+    scheduler = warmup_cosine(optimizer, warmup=min(5, max(1, epochs // 4)) * steps_per_epoch, total=total)
     start = time.perf_counter()
     bar = tqdm(total=total, desc=f"digits {'+'.join(multimax) or 'softmax'}", disable=not progress, unit="step")
     loss_value = float("nan")
@@ -133,8 +161,9 @@ def train_vision(
         "labels": [str(d) for d in range(10)],
         "preprocess": DIGITS_PREPROCESS,
         "metrics": {
-            "heldout_accuracy": accuracy(model, x_test, y_test),
-            "train_accuracy": accuracy(model, x_train, y_train),
+            "heldout_accuracy": accuracy(model, upscale(x_test), y_test),
+            "heldout_accuracy_by_input": variant_accuracies(model, x_test, y_test),
+            "train_accuracy": accuracy(model, upscale(x_train), y_train),
             "final_loss": loss_value,
             "heldout_examples": len(y_test),
             "epochs": epochs,

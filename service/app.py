@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from service import classify, kserve, openai_api
 from service.config import Settings
+from service.docs import install_docs
 from service.errors import install_handlers
 from service.metrics import Metrics
 from service.middleware import BodyLimit, GraceExpiry, ServerTiming
@@ -41,6 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.info("all models stopped")
 
     app = FastAPI(
+        docs_url=None,  # served by service.docs from local assets (the defaults load a CDN)
+        redoc_url=None,
         title="multimax-serve",
         version="0.1.0",
         description="Image classification and text generation with MultiMax models: OpenAI-compatible "
@@ -50,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.runtimes = runtimes
     app.state.settings = settings
     install_handlers(app)
+    install_docs(app)
     app.include_router(openai_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)

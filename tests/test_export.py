@@ -25,7 +25,7 @@ from models.tokenizer import ByteTokenizer
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     tmp = tmp_path_factory.mktemp("export")
     ckpt = shutil.copy(DEMO_DIR / VISION_MULTIMAX, tmp / "digits.pt")
-    assert main([str(ckpt), "--quiet"]) == 0
+    assert main([str(ckpt), "--quiet", "-o", str(tmp / "digits.onnx")]) == 0
     onnx_path = tmp / "digits.onnx"
     return onnx_path, json.loads((tmp / "digits.validation.json").read_text())
 
@@ -105,6 +105,7 @@ def test_softmax_twin_has_no_multimax_nodes(tmp_path: Path) -> None:
 
 
 def test_missed_tolerance_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     ckpt = shutil.copy(DEMO_DIR / VISION_MULTIMAX, tmp_path / "m.pt")
     monkeypatch.setitem(validate.TOLERANCES, "fp32", validate.Tolerance(0.0, 1.0, True))
     assert main([str(ckpt), "--quiet", "--samples", "4"]) == 1
@@ -112,7 +113,10 @@ def test_missed_tolerance_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not report["passed"] and "max abs diff" in report["validation"]["failures"][0]
 
 
-def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_exits_2_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert main([str(tmp_path / "missing.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
     notes = tmp_path / "notes.pt"
@@ -139,7 +143,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.Cap
 def exported_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     tmp = tmp_path_factory.mktemp("export_text")
     ckpt = shutil.copy(DEMO_DIR / TEXT_MULTIMAX, tmp / "text.pt")
-    assert main([str(ckpt), "--quiet"]) == 0
+    assert main([str(ckpt), "--quiet", "-o", str(tmp / "text.onnx")]) == 0
     return tmp / "text.onnx", json.loads((tmp / "text.validation.json").read_text())
 
 
@@ -193,7 +197,8 @@ def test_text_graph_decodes_from_an_empty_past_like_pytorch(exported_text: tuple
 
 
 @pytest.mark.parametrize("flag", ["--fp16", "--int8"])
-def test_reduced_precision_variants(tmp_path: Path, flag: str) -> None:
+def test_reduced_precision_variants(tmp_path: Path, flag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     ckpt = shutil.copy(DEMO_DIR / VISION_MULTIMAX, tmp_path / "digits.pt")
     assert main([str(ckpt), flag, "--quiet", "--samples", "24"]) == 0
     precision = flag[2:]

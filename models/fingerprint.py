@@ -1,0 +1,59 @@
+"""What the demo models' training depends on, as one hash per model kind.
+
+`python -m models train demos` records these in `models/demo/report.json`; the slow retraining tests run
+only when the current hash differs from the recorded one (the training code, the data or the software
+changed), so CI does not spend ten minutes re-proving what the shipped models already prove.
+Code is hashed by its syntax tree without docstrings, so comments and wording do not count as changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import sklearn
+import torch
+
+HERE = Path(__file__).resolve().parent
+# The modules whose code decides the trained weights, per kind.
+SOURCES = {
+    "vision": ("train_vision.py", "digit_inputs.py", "training.py", "deit.py", "multimax.py"),
+    "text": ("train_text.py", "training.py", "gpt.py", "multimax.py", "tokenizer.py"),
+}
+
+
+def code_digest(path: Path) -> str:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def data_identity(kind: str) -> str:
+    if kind == "vision":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return "digits:" + hashlib.sha256(np.ascontiguousarray(digits.images).tobytes()
+                                          + digits.target.tobytes()).hexdigest()
+    # The docstrings of this Python's standard library: the Python version names the corpus.
+    return f"stdlib-docstrings:python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def training_fingerprint(kind: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES[kind]:
+        h.update(f"{name}:{code_digest(HERE / name)}\n".encode())
+    h.update(f"{data_identity(kind)}\ntorch {torch.__version__}\nsklearn {sklearn.__version__}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def fingerprints() -> dict[str, str]:
+    return {kind: training_fingerprint(kind) for kind in SOURCES}
