@@ -76,7 +76,7 @@ def library() -> Library:
     """The library (built if needed), found once per process; logs one line if it is unavailable."""
     lib = _locate()
     if not lib.available:
-        log.warning("fused MultiMax ops unavailable (%s); onnxruntime runs the ONNX function bodies instead", lib.reason)
+        log.warning("fused MultiMax ops unavailable (%s); onnxruntime runs the function bodies instead", lib.reason)
     return lib
 
 

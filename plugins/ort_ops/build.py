@@ -78,9 +78,9 @@ def _compile(cxx: str, include: Path, out: Path) -> list[Path]:
     for unit, flags in units().items():
         obj = out / (unit + ".o")
         cmd = [cxx, *COMMON_FLAGS, *flags, f"-I{include}", "-c", str(SRC / unit), "-o", str(obj)]
-        jobs.append((obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        jobs.append((obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     failures = []
-    for obj, cmd, proc in jobs:
+    for obj, proc in jobs:
         try:
             output, _ = proc.communicate(timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -90,7 +90,7 @@ def _compile(cxx: str, include: Path, out: Path) -> list[Path]:
             failures.append(f"{obj.stem}: {output.strip().splitlines()[-1] if output.strip() else 'failed'}")
     if failures:
         raise BuildFailed("compiling failed: " + "; ".join(failures))
-    return [obj for obj, _, _ in jobs]
+    return [obj for obj, _ in jobs]
 
 
 def _check(cmd: list[str], what: str) -> None:

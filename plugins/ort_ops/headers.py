@@ -87,9 +87,8 @@ def fetch_debian_headers(dest: Path) -> None:
         if os.geteuid() == 0:  # the _apt sandbox user cannot write into our temporary directory
             options.append("-oAPT::Sandbox::User=root")
         _run(["apt-get", *options, "update"], "apt-get update (private sources list)")
-        download = subprocess.run(
-            ["apt-get", *options, "download", PACKAGE], cwd=work, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S
-        )
+        cmd = ["apt-get", *options, "download", PACKAGE]
+        download = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
         debs = sorted(work.glob(f"{PACKAGE}_*.deb"))
         if download.returncode or not debs:
             tail = (download.stderr or download.stdout).strip().splitlines()[-1:] or ["no .deb"]
