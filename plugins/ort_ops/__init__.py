@@ -80,6 +80,12 @@ def library() -> Library:
     return lib
 
 
+def kernel_path() -> str | None:
+    """The instruction-set path sessions created now will use (MULTIMAX_ORT_ISA or the CPU's best)."""
+    lib = library()
+    return (os.environ.get("MULTIMAX_ORT_ISA") or lib.kernel_paths[0]) if lib.available else None
+
+
 def register(options: ort.SessionOptions) -> bool:
     """Register the fused ops on a CPU session's options; False (function bodies run) if unavailable."""
     lib = library()
