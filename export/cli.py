@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from export.fused_check import fused_summary
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
 from export.validate import TOLERANCES, check_graph, validate_text, validate_vision
 from models.checkpoint import load
@@ -154,6 +155,8 @@ def summary(report: dict, report_path: Path) -> str:
             lines.append(
                 f"  greedy generation: {gen['identical']}/{gen['prompts']} identical over {gen['tokens']} tokens"
             )
+        if "fused_ops" in v:
+            lines.append("  " + fused_summary(v["fused_ops"]))
         shapes = (
             f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8" if report["arch"] == "gpt"
             else f"batch sizes {v['batch_sizes']}"

@@ -35,3 +35,13 @@ def compare_fused(path: Path, feeds: list[dict[str, np.ndarray]], atol: float = 
         "in_use": True, "library": str(lib.path), "kernel_path": ort_ops.kernel_path(), "feeds": len(feeds),
         "max_abs_vs_function_bodies": worst, "atol": atol, "failures": failures,
     }  # fmt: skip
+
+
+def fused_summary(report: dict[str, Any]) -> str:
+    """One line for the export's summary."""
+    if not report["in_use"]:
+        return f"fused MultiMax ops (onnxruntime): not used, {report['reason']}"
+    return (
+        f"fused MultiMax ops (onnxruntime, {report['kernel_path']}): max|diff| vs function bodies "
+        f"{report['max_abs_vs_function_bodies']:.2e} (limit {report['atol']:g})"
+    )
