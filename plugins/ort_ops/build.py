@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -23,6 +24,7 @@ COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fvisibili
 UNITS = {"multimax_ops.cc": [], "rows_portable.cc": []}
 X86_UNITS = {"rows_avx2.cc": ["-mavx2", "-mfma"], "rows_avx512.cc": ["-mavx512f", "-mfma"]}
 COMPILE_TIMEOUT_S = 300
+log = logging.getLogger("multimax.ort_ops")
 
 
 class BuildFailed(RuntimeError):
@@ -53,23 +55,22 @@ def _fingerprint(cxx: str, include: Path) -> str:
 def build(cache: Path) -> Path:
     """The library's path, compiling it (once per source/header/compiler fingerprint) if needed."""
     cache.mkdir(parents=True, exist_ok=True)
-    include = find_headers(cache)
-    cxx = compiler()
-    target = cache / f"libmultimax_ort_ops.api{api_version(include)}.{_fingerprint(cxx, include)}.so"
-    if target.is_file():
-        return target
-    with open(cache / "build.lock", "w") as lock:  # one build at a time across processes
+    with open(cache / "build.lock", "w") as lock:  # one fetch/build at a time across processes
         fcntl.flock(lock, fcntl.LOCK_EX)
+        include = find_headers(cache)
+        cxx = compiler()
+        target = cache / f"libmultimax_ort_ops.api{api_version(include)}.{_fingerprint(cxx, include)}.so"
         if target.is_file():
             return target
+        log.info("building the fused MultiMax ops for onnxruntime (once; cached as %s)", target)
         with tempfile.TemporaryDirectory(prefix="build.", dir=cache) as tmp:
             objects = _compile(cxx, include, Path(tmp))
             linked = Path(tmp) / target.name
             _check([cxx, "-shared", "-o", str(linked), *map(str, objects), "-Wl,--no-undefined"], "link")
             linked.rename(target)  # atomic: readers never see a half-written library
-    for stale in cache.glob("libmultimax_ort_ops.*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
+        for stale in cache.glob("libmultimax_ort_ops.*.so"):
+            if stale != target:
+                stale.unlink(missing_ok=True)
     return target
 
 
