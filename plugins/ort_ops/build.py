@@ -1,6 +1,7 @@
 """Compiling the custom-op library: four translation units (the ops, and the row kernels once per
 instruction set), linked into one shared object in the cache, named by a hash of everything that
-goes into it, so a changed source or header rebuilds and an unchanged one is reused.
+goes into it, so a changed source or header rebuilds and an unchanged one is reused. Older builds are
+left in place (~100 kB each): checkouts of other versions may share the cache and have them loaded.
 """
 
 from __future__ import annotations
@@ -68,9 +69,6 @@ def build(cache: Path) -> Path:
             linked = Path(tmp) / target.name
             _check([cxx, "-shared", "-o", str(linked), *map(str, objects), "-Wl,--no-undefined"], "link")
             linked.rename(target)  # atomic: readers never see a half-written library
-        for stale in cache.glob("libmultimax_ort_ops.*.so"):
-            if stale != target:
-                stale.unlink(missing_ok=True)
     return target
 
 
