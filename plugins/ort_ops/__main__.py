@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import onnxruntime as ort
@@ -15,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plugins.ort_ops", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     args = parser.parse_args(argv)
+    logging.getLogger("multimax.ort_ops").addHandler(logging.NullHandler())  # the reason is printed below
     lib = library()
     info = {
         "available": lib.available,
