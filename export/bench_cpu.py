@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from export.bench import interleaved, make_checkpoints
+from export.bench import interleaved, make_checkpoints, timing_tables, write_results
 from export.cli import main as export_main
 from export.validate import cpu_session
 from models.checkpoint import load
@@ -150,18 +150,8 @@ def bench_runtimes(mm_ckpt: Path, mm: Path, rounds: int, tmp: Path) -> dict[str,
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"Measured {results['date']} with `{results['command']}` ({results['machine']})", ""]
-    for key, title in (("overhead", "MultiMax DeiT-small vs softmax twin, onnxruntime CPU"),
-                       ("runtimes", "MultiMax DeiT-small, CPU runtimes")):  # fmt: skip
-        if key not in results:
-            continue
-        lines += [f"| {title} | batch | median ms/call | ratio |", "|---|---|---|---|"]
-        for batch, timing in results[key].items():
-            if not batch.startswith("batch_"):
-                continue
-            for name, t in timing.items():
-                ratio = next(v for k, v in t.items() if k.startswith("ratio_to_"))
-                lines.append(f"| {name} | {batch.split('_')[1]} | {t['median_ms']:.1f} | {ratio:.3f} |")
-        lines.append("")
+    lines += timing_tables(results, {"overhead": "MultiMax DeiT-small vs softmax twin, onnxruntime CPU",
+                                     "runtimes": "MultiMax DeiT-small, CPU runtimes"})
     p = results.get("profile")
     if p:
         lines += ["| profiler (onnxruntime, fused ops) | batch | MultiMax nodes µs/run | twin's Softmax nodes µs/run "
@@ -205,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if "runtimes" in args.only:
             results["runtimes"] = bench_runtimes(mm_ckpt, mm, args.rounds, tmp)
     results["machine"] += f"; load average {os.getloadavg()[0]:.1f} at the end"
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown(results))
-    print(f"\nresults: {out}")
-    return 0
+    return write_results(results, Path(args.output), markdown(results))
 
 
 if __name__ == "__main__":
