@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 import torch
 
