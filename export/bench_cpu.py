@@ -189,12 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             if export_main([str(ckpt), "--quiet", "--no-validate"]):
                 raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
-        if "overhead" in args.only:
-            results["overhead"] = bench_overhead(mm, sm, args.rounds)
-        if "profile" in args.only:
-            results["profile"] = bench_profile(mm, sm, args.profile_runs, tmp)
-        if "runtimes" in args.only:
-            results["runtimes"] = bench_runtimes(mm_ckpt, mm, args.rounds, tmp)
+        sections = {
+            "overhead": lambda: bench_overhead(mm, sm, args.rounds),
+            "profile": lambda: bench_profile(mm, sm, args.profile_runs, tmp),
+            "runtimes": lambda: bench_runtimes(mm_ckpt, mm, args.rounds, tmp),
+        }
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for name in args.only:
+            results[name] = sections[name]()
+            out.write_text(json.dumps(results, indent=2) + "\n")  # kept if a later section is interrupted
     results["machine"] += f"; load average {os.getloadavg()[0]:.1f} at the end"
     return write_results(results, Path(args.output), markdown(results))
 
