@@ -205,6 +205,23 @@ def bench_precision(tmp: Path) -> dict[str, Any]:
     return out
 
 
+def timing_tables(results: dict[str, Any], titles: dict[str, str]) -> list[str]:
+    """Markdown tables of `interleaved` results ({"batch_N": {contender: timing}}), one per section present."""
+    lines: list[str] = []
+    for key, title in titles.items():
+        if key not in results:
+            continue
+        lines += [f"| {title} | batch | median ms/call | ratio |", "|---|---|---|---|"]
+        for batch, timing in results[key].items():
+            if not batch.startswith("batch_"):
+                continue
+            for name, t in timing.items():
+                ratio = next(v for k, v in t.items() if k.startswith("ratio_to_"))
+                lines.append(f"| {name} | {batch.split('_')[1]} | {t['median_ms']:.1f} | {ratio:.3f} |")
+        lines.append("")
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"Measured {results['date']} with `{results['command']}` ({results['machine']})", ""]
     e = results.get("export")
@@ -219,17 +236,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['max_abs_diff']:.2e} | {r['top1_agreement']:.0%} |"
             )
         lines.append("")
-    for key, title in (("overhead", "MultiMax vs softmax twin (onnxruntime CPU)"),
-                       ("compiled_overhead", "MultiMax vs softmax twin (torch.compile, CPU)"),
-                       ("runtimes", "onnxruntime vs PyTorch eager vs torch.compile (MultiMax DeiT-small)")):
-        if key not in results:
-            continue
-        lines += [f"| {title} | batch | median ms/call | ratio |", "|---|---|---|---|"]
-        for batch, timing in results[key].items():
-            for name, t in timing.items():
-                ratio = next(v for k, v in t.items() if k.startswith("ratio_to_"))
-                lines.append(f"| {name} | {batch.split('_')[1]} | {t['median_ms']:.1f} | {ratio:.3f} |")
-        lines.append("")
+    lines += timing_tables(results, {"overhead": "MultiMax vs softmax twin (onnxruntime CPU)",
+                                     "compiled_overhead": "MultiMax vs softmax twin (torch.compile, CPU)",
+                                     "runtimes": "onnxruntime vs PyTorch eager vs torch.compile (MultiMax DeiT-small)"})
     f = results.get("fusion")
     if f:
         for name in ("softmax", "multimax"):
@@ -287,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
                 results["fusion"] = bench_fusion(mm, sm, tmp, args.rounds)
             elif section == "precision":
                 results["precision"] = bench_precision(tmp)
-    out = Path(args.output)
+    return write_results(results, Path(args.output), markdown(results))
+
+
+def write_results(results: dict[str, Any], out: Path, summary: str) -> int:
+    """The JSON file and the markdown summary on stdout (shared by the benchmark commands)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown(results))
+    print(summary)
     print(f"\nresults: {out}")
     return 0
 

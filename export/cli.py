@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from export.fused_check import fused_summary
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
 from export.progress import Phases, exporter_stages
 from export.samples import default_samples
@@ -208,6 +209,8 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
             lines.append(
                 f"  greedy generation: {gen['identical']}/{gen['prompts']} identical over {gen['tokens']} tokens"
             )
+        if "fused_ops" in v:
+            lines.append("  " + fused_summary(v["fused_ops"]))
         shapes = (
             f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8" if report["arch"] == "gpt"
             else f"batch sizes {v['batch_sizes']}"

@@ -12,9 +12,11 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from export.fused_check import compare_fused
 from export.onnx_export import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_io_names
 from export.progress import Phases
 from models.gpt import generate
+from plugins import ort_ops
 
 LOGITS_ATOL = 1e-4
 
@@ -142,6 +144,9 @@ def validate_vision(
                 bar.update(len(x))
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
+    with phases.phase("fused ops vs function bodies"):
+        report["fused_ops"] = compare_fused(path, [{VISION_INPUT: x.numpy()} for x in batches[:4]])
+    failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures
     return report
@@ -161,11 +166,19 @@ def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key:
 
 
 def cpu_session(
-    path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL, spinning: bool = True
+    path: Path,
+    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    spinning: bool = True,
+    fused: bool = True,
 ) -> ort.InferenceSession:
-    """An onnxruntime CPU session; `spinning=False` stops idle threads busy-waiting after each run."""
+    """An onnxruntime CPU session; `spinning=False` stops idle threads busy-waiting after each run.
+
+    `fused`: register the fused MultiMax ops (plugins.ort_ops) when available; False runs the function bodies.
+    """
     options = ort.SessionOptions()
     options.graph_optimization_level = level
+    if fused:
+        ort_ops.register(options)
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -280,6 +293,9 @@ def validate_text(
             identical += ort_greedy(session, prompt, gen_tokens, n_layer) == ref
             bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
+    with phases.phase("fused ops vs function bodies"):
+        report["fused_ops"] = compare_fused(path, [feed for feed, _ in cases[:8]])
+    failures += report["fused_ops"]["failures"]
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")
     report["failures"] = failures

@@ -43,6 +43,8 @@ class ModelCard(BaseModel):
     provider: str
     context_length: int | None = None
     labels: list[str] | None = None
+    # ONNX Runtime backend: whether the fused MultiMax CPU ops (plugins.ort_ops) run this model, or why not.
+    fused_multimax: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -109,7 +111,8 @@ class Completion(BaseModel):
 def model_card(rt: ModelRuntime) -> ModelCard:
     entry = rt.entry
     return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
-                     provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels)
+                     provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels,
+                     fused_multimax=entry.backend.describe().get("fused_multimax"))
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")

@@ -32,6 +32,7 @@ from models.demo import DEMO_DIR
 from models.gpt import generate
 from models.tokenizer import ByteTokenizer
 from models.train_vision import digits_split
+from plugins import ort_ops
 from service import kvcache
 from service.app import create_app
 from service.batcher import DynamicBatcher
@@ -263,6 +264,10 @@ def test_models_endpoint_lists_every_model_in_openai_format(service_client: Test
     for card in cards.values():
         assert card["object"] == "model" and card["backend"] == "onnxruntime"
         assert card["provider"].endswith("ExecutionProvider")
+    fused = ort_ops.library().available  # the fused MultiMax CPU ops, where they build
+    for name in ("digits_multimax", "text_multimax"):
+        assert cards[name]["fused_multimax"]["in_use"] is fused
+    assert cards["digits_softmax"]["fused_multimax"] == {"in_use": False, "reason": "the model has no multimax nodes"}
     assert service_client.get("/v1/models/digits_softmax").json()["id"] == "digits_softmax"
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from plugins import ort_ops
 from service.backends.base import Backend, BackendUnavailable, Past
 from service.backends.probe import onnxruntime_providers
 
@@ -26,6 +27,19 @@ def read_metadata(session: ort.InferenceSession) -> dict[str, Any]:
             except json.JSONDecodeError:
                 out[key.removeprefix("multimax.")] = value
     return out
+
+
+def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
+    """Register the fused MultiMax ops (plugins.ort_ops) when the model has multimax nodes; say whether."""
+    try:
+        needed = ort_ops.uses_multimax(path)
+    except Exception:  # unreadable here: the session's own load reports it
+        needed = False
+    if not needed:
+        return {"in_use": False, "reason": "the model has no multimax nodes"}
+    if ort_ops.register(options):
+        return {"in_use": True, "kernel_path": ort_ops.kernel_path()}
+    return {"in_use": False, "reason": ort_ops.library().reason}
 
 
 class OnnxRuntimeBackend(Backend):
@@ -56,6 +70,8 @@ class OnnxRuntimeBackend(Backend):
             requested, why = providers, ""
         else:
             requested, why = onnxruntime_providers()
+        # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
+        self.fused_multimax = fused_ops_state(path, options) if list(requested) == ["CPUExecutionProvider"] else None
         try:
             self.session = ort.InferenceSession(str(path), sess_options=options, providers=list(requested))
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
@@ -109,4 +125,5 @@ class OnnxRuntimeBackend(Backend):
         return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for _ in range(self.n_layer)]
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+        out = {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+        return out | {"fused_multimax": self.fused_multimax or {"in_use": False, "reason": "not a CPU-only session"}}

@@ -1,0 +1,103 @@
+"""Fused MultiMax for onnxruntime's CPU execution provider: a custom-op library for the `multimax` domain.
+
+The exported models carry each MultiMax as one `multimax::*` node with an ONNX function body; without
+this library onnxruntime inlines the body (one memory pass per elementwise op). With it, the three ops
+run as fused kernels (src/multimax_ops.cc): one pass per row in cache, vectorised, rows over
+onnxruntime's intra-op threads. The exported files never change.
+
+`register(options)` is what every CPU session the project creates calls. The library is built on
+first use (headers: ORT_INCLUDE_DIR, an installed libonnxruntime-dev, or fetched from Debian) into
+the cache, and reused. When it cannot be built or loaded, sessions run the function bodies and one
+log line says why. Environment: MULTIMAX_ORT_OPS=0 turns it off; MULTIMAX_ORT_OPS_LIB names a
+prebuilt library; MULTIMAX_CACHE_DIR moves the cache; MULTIMAX_ORT_ISA=portable|avx2|avx512 forces a
+kernel path (for tests and comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
+DOMAIN = "multimax"
+log = logging.getLogger("multimax.ort_ops")
+
+
+@dataclass(frozen=True)
+class Library:
+    """The outcome of finding/building the library: a path, or the reason there is none."""
+
+    path: Path | None
+    reason: str = ""
+    kernel_paths: tuple[str, ...] = ()  # instruction-set paths this CPU runs, the default first
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MULTIMAX_CACHE_DIR"):
+        return Path(os.environ["MULTIMAX_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multimax-serve" / "ort_ops"
+
+
+def _locate() -> Library:
+    if os.environ.get("MULTIMAX_ORT_OPS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return Library(None, "turned off by MULTIMAX_ORT_OPS")
+    from plugins.ort_ops.build import BuildFailed, build
+    from plugins.ort_ops.headers import HeadersUnavailable
+
+    prebuilt = os.environ.get("MULTIMAX_ORT_OPS_LIB")
+    try:
+        path = Path(prebuilt) if prebuilt else build(cache_dir())
+    except (BuildFailed, HeadersUnavailable, OSError) as exc:
+        return Library(None, f"cannot build it: {exc}")
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.MultiMaxKernelPaths.restype = ctypes.c_char_p
+        paths = tuple(lib.MultiMaxKernelPaths().decode().split(","))
+        ort.SessionOptions().register_custom_ops_library(str(path))  # onnxruntime must accept it, too
+    except (OSError, AttributeError) as exc:
+        return Library(None, f"cannot load {path}: {exc}")
+    except Exception as exc:  # onnxruntime's own Fail type
+        return Library(None, f"onnxruntime {ort.__version__} rejects {path}: {str(exc).splitlines()[0]}")
+    return Library(path, kernel_paths=paths)
+
+
+@functools.cache
+def library() -> Library:
+    """The library (built if needed), found once per process; logs one line if it is unavailable."""
+    lib = _locate()
+    if not lib.available:
+        log.warning("fused MultiMax ops unavailable (%s); onnxruntime runs the function bodies instead", lib.reason)
+    return lib
+
+
+def kernel_path() -> str | None:
+    """The instruction-set path sessions created now will use (MULTIMAX_ORT_ISA or the CPU's best)."""
+    lib = library()
+    return (os.environ.get("MULTIMAX_ORT_ISA") or lib.kernel_paths[0]) if lib.available else None
+
+
+def register(options: ort.SessionOptions) -> bool:
+    """Register the fused ops on a CPU session's options; False (function bodies run) if unavailable."""
+    lib = library()
+    if lib.path is None:
+        return False
+    options.register_custom_ops_library(str(lib.path))
+    return True
+
+
+def uses_multimax(model_path: Path) -> bool:
+    """Whether a model file has `multimax::*` nodes (what the library replaces); reads no external data."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    return any(node.domain == DOMAIN for node in proto.graph.node)

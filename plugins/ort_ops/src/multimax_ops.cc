@@ -1,0 +1,363 @@
+// onnxruntime custom-op library: the `multimax` domain's MultiMax(x, mask), MultiMaxNoMask(x) and
+// MultiMaxSigma(x) as fused CPU kernels, with the semantics of their ONNX function bodies
+// (export/onnx_functions.py): sigma, then the mask (numpy broadcasting), then Softmax over the last axis.
+//
+// Written against the C API only (onnxruntime_c_api.h): no exception crosses the C boundary, every
+// failure is an OrtStatus. The library does not link against onnxruntime; RegisterCustomOps asks the
+// loading runtime for the API version these headers define, which newer runtimes still serve.
+//
+// MULTIMAX_ORT_ISA=portable|avx2|avx512 forces a kernel path (read when a session creates its kernels);
+// a forced path the CPU lacks fails kernel creation with a clear status.
+
+#include <onnxruntime_c_api.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "rows.h"
+
+#define MM_EXPORT __attribute__((visibility("default")))
+
+namespace multimax {
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) {
+  return g_api->CreateStatus(code, ("multimax: " + msg).c_str());
+}
+
+#define MM_RETURN_IF_ERROR(expr)        \
+  do {                                  \
+    if (OrtStatus* _s = (expr)) return _s; \
+  } while (0)
+
+// ---- kernel path selection -------------------------------------------------------------------
+
+bool cpu_has(const std::string& isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == "portable";
+}
+
+const RowKernels* kernels_for(const std::string& isa) {
+  if (isa == "portable") return &portable::kernels;
+#if defined(__x86_64__)
+  if (isa == "avx2") return &avx2::kernels;
+  if (isa == "avx512") return &avx512::kernels;
+#endif
+  return nullptr;
+}
+
+OrtStatus* choose_kernels(const RowKernels** out) {
+  const char* forced = std::getenv("MULTIMAX_ORT_ISA");
+  if (forced && *forced) {
+    std::string isa(forced);
+    if (!kernels_for(isa)) return fail("MULTIMAX_ORT_ISA=" + isa + ": unknown path (portable, avx2 or avx512)");
+    if (!cpu_has(isa)) return fail("MULTIMAX_ORT_ISA=" + isa + ": this CPU does not support it", ORT_FAIL);
+    *out = kernels_for(isa);
+    return nullptr;
+  }
+  for (const char* isa : {"avx512", "avx2"})
+    if (kernels_for(isa) && cpu_has(isa)) return (*out = kernels_for(isa)), nullptr;
+  *out = &portable::kernels;
+  return nullptr;
+}
+
+// ---- shapes ----------------------------------------------------------------------------------
+
+struct Tensor {
+  const float* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+OrtStatus* read_input(OrtKernelContext* ctx, size_t index, const char* name, Tensor* t) {
+  const OrtValue* value = nullptr;
+  MM_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, index, &value));
+  if (!value) return fail(std::string("input ") + name + " is missing");
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  MM_RETURN_IF_ERROR(g_api->GetTensorTypeAndShape(value, &info));
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  size_t rank = 0;
+  OrtStatus* s = g_api->GetTensorElementType(info, &type);
+  if (!s) s = g_api->GetDimensionsCount(info, &rank);
+  if (!s) {
+    t->shape.assign(rank, 0);
+    s = g_api->GetDimensions(info, t->shape.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  MM_RETURN_IF_ERROR(s);
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail(std::string("input ") + name + " must be float32");
+  void* data = nullptr;
+  MM_RETURN_IF_ERROR(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+  t->data = static_cast<const float*>(data);
+  return nullptr;
+}
+
+OrtStatus* make_output(OrtKernelContext* ctx, const std::vector<int64_t>& shape, float** out) {
+  OrtValue* value = nullptr;
+  MM_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &value));
+  void* data = nullptr;
+  MM_RETURN_IF_ERROR(g_api->GetTensorMutableData(value, &data));
+  *out = static_cast<float*>(data);
+  return nullptr;
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// Row-major strides of `shape` left-padded to `rank`, 0 along broadcast (size-1) dimensions.
+std::vector<int64_t> broadcast_strides(const std::vector<int64_t>& shape, const std::vector<int64_t>& out) {
+  std::vector<int64_t> strides(out.size(), 0);
+  int64_t stride = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    size_t d = shape.size() - 1 - i, o = out.size() - 1 - i;
+    strides[o] = (shape[d] == 1 && out[o] != 1) ? 0 : stride;
+    stride *= shape[d];
+  }
+  return strides;
+}
+
+// ---- parallel rows ---------------------------------------------------------------------------
+
+// Work per task: enough elements (~16k, tens of microseconds) that the pool's dispatch cost vanishes.
+constexpr int64_t kElementsPerTask = 1 << 14;
+
+struct Job {
+  const RowKernels* k;
+  const Sigma* p;
+  int64_t rows, n, rows_per_task;
+  // Softmax ops: x/mask rows found through broadcast strides over the output's leading dimensions.
+  const float* x;
+  const float* mask;
+  float* y;
+  std::vector<int64_t> lead;                       // the output's dimensions before the last
+  std::vector<int64_t> x_strides, m_strides;       // per leading dimension, 0 where broadcast
+  int64_t x_last, m_last;                          // stride along the last axis: 1 or 0 (broadcast)
+};
+
+void run_rows(const Job& j, int64_t begin, int64_t end) {
+  std::vector<float> xbuf, mbuf;  // only for rows broadcast along the softmax axis
+  for (int64_t r = begin; r < end; ++r) {
+    int64_t xo = 0, mo = 0, rem = r;
+    for (size_t d = j.lead.size(); d-- > 0;) {
+      int64_t i = rem % j.lead[d];
+      rem /= j.lead[d];
+      xo += i * j.x_strides[d];
+      if (j.mask) mo += i * j.m_strides[d];
+    }
+    const float* x = j.x + xo;
+    const float* m = j.mask ? j.mask + mo : nullptr;
+    if (j.x_last == 0) xbuf.assign(j.n, *x), x = xbuf.data();
+    if (m && j.m_last == 0) mbuf.assign(j.n, *m), m = mbuf.data();
+    j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
+  }
+}
+
+void softmax_task(void* data, size_t task) {
+  const Job& j = *static_cast<const Job*>(data);
+  int64_t begin = static_cast<int64_t>(task) * j.rows_per_task;
+  run_rows(j, begin, std::min(j.rows, begin + j.rows_per_task));
+}
+
+void sigma_task(void* data, size_t task) {
+  const Job& j = *static_cast<const Job*>(data);
+  int64_t begin = static_cast<int64_t>(task) * kElementsPerTask;
+  int64_t end = std::min(j.rows * j.n, begin + kElementsPerTask);
+  j.k->sigma(*j.p, j.x + begin, j.y + begin, end - begin);
+}
+
+OrtStatus* parallel(OrtKernelContext* ctx, void (*fn)(void*, size_t), int64_t tasks, Job* job) {
+  if (tasks <= 1) {
+    if (tasks == 1) fn(job, 0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(ctx, fn, static_cast<size_t>(tasks), 0, job);
+}
+
+// ---- the kernels -----------------------------------------------------------------------------
+
+enum class Op { kMasked, kNoMask, kSigma };
+
+struct Kernel {
+  Op op;
+  Sigma params;
+  const RowKernels* rows;
+};
+
+OrtStatus* read_floats(const OrtKernelInfo* info, const char* name, float out[4]) {
+  size_t size = 0;
+  OrtStatus* s = g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size);
+  if (s) {
+    g_api->ReleaseStatus(s);
+    return fail(std::string("attribute '") + name + "' (4 floats) is missing");
+  }
+  if (size != 4) return fail(std::string("attribute '") + name + "' must hold 4 floats, got " + std::to_string(size));
+  return g_api->KernelInfoGetAttributeArray_float(info, name, out, &size);
+}
+
+OrtStatus* create_kernel(Op op, const OrtKernelInfo* info, void** out) {
+  Kernel k{op, {}, nullptr};
+  MM_RETURN_IF_ERROR(read_floats(info, "ranges", k.params.r));
+  MM_RETURN_IF_ERROR(read_floats(info, "ts", k.params.t));
+  // `order` is metadata for the body (order-1 nodes carry ts[2:] = 0); an exported value outside 1/2 is corrupt.
+  int64_t order = 2;
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, "order", &order)) g_api->ReleaseStatus(s);
+  if (order != 1 && order != 2) return fail("attribute 'order' must be 1 or 2, got " + std::to_string(order));
+  MM_RETURN_IF_ERROR(choose_kernels(&k.rows));
+  *out = new (std::nothrow) Kernel(k);
+  return *out ? nullptr : fail("out of memory", ORT_FAIL);
+}
+
+OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
+  Tensor x, mask;
+  MM_RETURN_IF_ERROR(read_input(ctx, 0, "x", &x));
+  if (k.op == Op::kMasked) MM_RETURN_IF_ERROR(read_input(ctx, 1, "mask", &mask));
+  if (x.shape.empty()) return fail("x must have at least one dimension (softmax runs over the last)");
+  std::vector<int64_t> out = x.shape;
+  if (k.op == Op::kMasked) {
+    size_t rank = std::max(x.shape.size(), mask.shape.size());
+    std::vector<int64_t> xs(rank - x.shape.size(), 1), ms(rank - mask.shape.size(), 1);
+    xs.insert(xs.end(), x.shape.begin(), x.shape.end());
+    ms.insert(ms.end(), mask.shape.begin(), mask.shape.end());
+    out.assign(rank, 0);
+    for (size_t d = 0; d < rank; ++d) {
+      if (xs[d] != ms[d] && xs[d] != 1 && ms[d] != 1)
+        return fail("mask does not broadcast against x at dimension " + std::to_string(d) + " (" +
+                    std::to_string(ms[d]) + " vs " + std::to_string(xs[d]) + ")");
+      out[d] = xs[d] == 1 ? ms[d] : xs[d];
+    }
+  }
+  float* y = nullptr;
+  MM_RETURN_IF_ERROR(make_output(ctx, out, &y));
+  Job j{k.rows, &k.params, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  if (j.n == 0 || numel(out) == 0) return nullptr;
+  j.rows = numel(out) / j.n;
+  j.lead.assign(out.begin(), out.end() - 1);
+  std::vector<int64_t> xst = broadcast_strides(x.shape, out);
+  j.x_last = xst.back();
+  j.x_strides.assign(xst.begin(), xst.end() - 1);
+  if (k.op == Op::kMasked) {
+    std::vector<int64_t> mst = broadcast_strides(mask.shape, out);
+    j.mask = mask.data;
+    j.m_last = mst.back();
+    j.m_strides.assign(mst.begin(), mst.end() - 1);
+  }
+  j.rows_per_task = std::max<int64_t>(1, kElementsPerTask / j.n);
+  return parallel(ctx, softmax_task, (j.rows + j.rows_per_task - 1) / j.rows_per_task, &j);
+}
+
+OrtStatus* compute_sigma(const Kernel& k, OrtKernelContext* ctx) {
+  Tensor x;
+  MM_RETURN_IF_ERROR(read_input(ctx, 0, "x", &x));
+  float* y = nullptr;
+  MM_RETURN_IF_ERROR(make_output(ctx, x.shape, &y));
+  Job j{k.rows, &k.params, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  return parallel(ctx, sigma_task, (j.n + kElementsPerTask - 1) / kElementsPerTask, &j);
+}
+
+OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
+  try {
+    const Kernel& k = *static_cast<const Kernel*>(kernel);
+    return k.op == Op::kSigma ? compute_sigma(k, ctx) : compute_softmax(k, ctx);
+  } catch (const std::bad_alloc&) {
+    return fail("out of memory", ORT_FAIL);
+  } catch (...) {
+    return fail("unexpected internal error", ORT_FAIL);
+  }
+}
+
+// ---- the OrtCustomOp tables ------------------------------------------------------------------
+
+template <Op kOp>
+struct CustomOp : OrtCustomOp {
+  static constexpr const char* name() {
+    return kOp == Op::kMasked ? "MultiMax" : kOp == Op::kNoMask ? "MultiMaxNoMask" : "MultiMaxSigma";
+  }
+  CustomOp() {
+    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
+    version = ORT_API_VERSION;
+    GetName = [](const OrtCustomOp*) { return name(); };
+    GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+    GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kOp == Op::kMasked ? 2 : 1; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
+    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) noexcept
+        -> OrtStatusPtr {
+      try {
+        return create_kernel(kOp, info, out);
+      } catch (...) {
+        return fail("cannot create the kernel", ORT_FAIL);
+      }
+    };
+    KernelComputeV2 = [](void* k, OrtKernelContext* ctx) -> OrtStatusPtr { return compute(k, ctx); };
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
+    GetMayInplace = [](int**, int**) -> size_t { return 0; };
+    ReleaseMayInplace = [](int*, int*) {};
+    GetAliasMap = [](int**, int**) -> size_t { return 0; };
+    ReleaseAliasMap = [](int*, int*) {};
+  }
+};
+
+const CustomOp<Op::kMasked> g_masked;
+const CustomOp<Op::kNoMask> g_nomask;
+const CustomOp<Op::kSigma> g_sigma;
+
+}  // namespace
+}  // namespace multimax
+
+extern "C" {
+
+// Entry point onnxruntime calls from SessionOptions.register_custom_ops_library. The domain object is
+// kept for the process's lifetime (sessions hold on to it).
+MM_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  using namespace multimax;
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (!api) {
+    const OrtApi* oldest = api_base->GetApi(1);  // every runtime serves version 1: enough to report why
+    std::string msg = "multimax: this onnxruntime (" + std::string(api_base->GetVersionString()) +
+                      ") does not serve API version " + std::to_string(ORT_API_VERSION);
+    return oldest ? oldest->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
+  }
+  g_api = api;
+  OrtCustomOpDomain* domain = nullptr;
+  MM_RETURN_IF_ERROR(api->CreateCustomOpDomain("multimax", &domain));
+  for (const OrtCustomOp* op : {static_cast<const OrtCustomOp*>(&g_masked), static_cast<const OrtCustomOp*>(&g_nomask),
+                                static_cast<const OrtCustomOp*>(&g_sigma)})
+    MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
+  return api->AddCustomOpDomain(options, domain);
+}
+
+// For `python -m plugins.ort_ops` and the tests: the kernel paths this CPU can run, best (the default) first.
+MM_EXPORT const char* MultiMaxKernelPaths() {
+  using namespace multimax;
+  static const std::string paths = [] {
+    std::string out;
+    for (const char* isa : {"avx512", "avx2"})
+      if (kernels_for(isa) && cpu_has(isa)) out += std::string(isa) + ",";
+    return out + "portable";
+  }();
+  return paths.c_str();
+}
+
+}  // extern "C"
