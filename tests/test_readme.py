@@ -9,7 +9,10 @@ What is not re-run here, and why: the set-up (`python3 -m venv .venv && .venv/bi
 in for by a `.venv/bin` whose `python`, `pip` and `ruff` are this interpreter's (CI runs the real set-up
 command verbatim in `.ci/run`), and `python -m pytest` is the command running this test. A block that
 starts the server (`python -m service`) gets it on a free port, and its `localhost:8000` is rewritten to match.
-A block preceded by `<!-- readme-test: slow -->` is marked slow.
+A block preceded by `<!-- readme-test: slow -->` is marked slow; one preceded by
+`<!-- readme-test: not run: REASON -->` is reported as skipped with REASON, which must name the test that runs
+its commands instead (Ray binds to the machine's interface, so its commands run only inside a loopback-only
+network namespace, in tests/test_ray_serve.py).
 
 Output matching: each line the README shows must appear, in order, among the lines the command printed.
 Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation or with six or more decimals
@@ -34,6 +37,8 @@ from tests.test_service_server import _free_port, _stop, _wait_ready
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SLOW_MARK = "<!-- readme-test: slow -->"
+NOT_RUN_MARK = re.compile(r"<!-- readme-test: not run: (?P<reason>.+) -->")
+STARTS_RAY = re.compile(r"\bpython -m service\.ray\b(?!.*--help)|\bserve run\b|\bray start\b")
 SETUP_PARTS = (re.compile(r"python3 -m venv \.venv$"), re.compile(r"\.venv/bin/pip install .*"))
 SELF = re.compile(r"(\.venv/bin/)?python -m pytest\b.*")  # the command running this test
 SERVER = re.compile(r"python -m service( &)?(\s+#.*)?$")
@@ -55,6 +60,7 @@ class Block:
     line: int
     slow: bool
     commands: list[Command]
+    not_run: str | None = None  # why this block runs elsewhere
 
     @property
     def id(self) -> str:
@@ -68,6 +74,7 @@ def readme_blocks(text: str) -> list[Block]:
             i += 1
             continue
         slow = i > 0 and lines[i - 1].strip() == SLOW_MARK
+        not_run = NOT_RUN_MARK.fullmatch(lines[i - 1].strip()) if i > 0 else None
         start, commands = i + 1, []
         i += 1
         while lines[i].strip() != "```":
@@ -81,7 +88,7 @@ def readme_blocks(text: str) -> list[Block]:
             elif commands and line.strip():  # blank lines only separate commands
                 commands[-1].expected.append(line)
             i += 1
-        blocks.append(Block(start, slow, commands))
+        blocks.append(Block(start, slow, commands, not_run["reason"] if not_run else None))
         i += 1
     return blocks
 
@@ -155,10 +162,20 @@ def test_the_readme_has_console_blocks_and_the_parser_reads_them() -> None:
     assert matches(["wrote a.onnx in 7.3 s (x)", "max|diff| 9.54e-07  top-1 100%"],
                    ["noise", "wrote a.onnx in 12.0 s (x)", "max|diff| 1.2e-06  top-1 100%"])
     assert not matches(["top-1 100%"], ["top-1 99%"])
+    # Ray must never start here outside a loopback-only namespace: every block that would start it says where
+    # it runs instead.
+    for block in BLOCKS:
+        if any(STARTS_RAY.search(c.text) for c in block.commands):
+            assert block.not_run and "tests/test_ray_serve.py" in block.not_run, f"{block.id} would start Ray"
 
 
 @pytest.mark.parametrize(
-    "block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if b.slow else []) for b in BLOCKS]
+    "block",
+    [
+        pytest.param(b, id=b.id, marks=([pytest.mark.slow] if b.slow else [])
+                     + ([pytest.mark.skip(reason=b.not_run)] if b.not_run else []))
+        for b in BLOCKS
+    ],
 )
 @pytest.mark.timeout(900)
 def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
