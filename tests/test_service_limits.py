@@ -225,8 +225,12 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
     backend = app.state.runtimes.models["digits_multimax"].entry.backend
     original = backend.run_vision
 
+    gate = threading.Event()  # held while the queue must stay full: a sleep alone races with the queueing
+    gate.set()
+
     def slow(x: np.ndarray) -> np.ndarray:
         time.sleep(0.6)
+        gate.wait(timeout=60)
         return original(x)
 
     backend.run_vision = slow
@@ -242,8 +246,11 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
                                   headers={"content-type": "image/png"})
 
                 assert (await post()).status_code == 200  # one batch measured: 0.6 s
-                busy = [asyncio.ensure_future(post()) for _ in range(3)]  # one computing, two queued
+                gate.clear()
+                busy = [asyncio.ensure_future(post()) for _ in range(3)]  # one computing (held), two queued
+                until = time.monotonic() + 30
                 while rt.models["digits_multimax"].batcher.queued < 2:
+                    assert time.monotonic() < until, "the two requests never queued"
                     await asyncio.sleep(0.01)
                 read = False
 
@@ -263,8 +270,10 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
                          "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
                          "root_path": "", "state": {}}
                 await app(scope, receive, send)
+                gate.set()
                 await asyncio.gather(*busy)
         finally:
+            gate.set()
             await rt.stop()
         headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
         return sent[0]["status"], headers, read
