@@ -35,6 +35,7 @@ from service.metrics import Metrics
 from service.ray.metrics import MetricsHub, snapshot
 from service.ray.netns import NamespaceUnavailable, loopback_namespace
 from service.ray.options import argv_from_mapping, parse
+from tests.test_service_server import _stop
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # a local Ray start is 15-20 s on 2 idle cores; replicas load their models after
@@ -182,13 +183,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
                 time.sleep(0.5)
             yield server
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _stop(proc, timeout=90)  # Ray's drain takes longer than the single process's
 
 
 def _page(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -71,11 +71,12 @@ def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
     return proc, url
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
+def _stop(proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    """SIGTERM (the server drains), then kill if it has not exited within `timeout` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
