@@ -1,12 +1,12 @@
-"""`python -m service.ray.bench`: `python -m service` against Ray Serve at 1 and 2 replicas, same models and
-options, measured side by side with the project's load tester (service.loadtest).
+"""`python -m benchmarks.ray_serving`: `python -m service` against Ray Serve at 1 and 2 replicas, same models and
+options, measured side by side with the project's load tester (benchmarks.loadtest).
 
 The single process and the Ray deployment run at the same time; each round measures every server on every
 workload, in a rotating order, and the Ray deployment is rescaled between its 1- and 2-replica turns (not
 measured). Reported: throughput and latency percentiles per server, and per-round ratios to the single process
 (median over rounds). A concurrency-1 workload gives the proxy's added latency per request.
 
-    python -m service.ray.bench --netns --model-dir /tmp/models --models digits_multimax,deit_tiny \\
+    python -m benchmarks.ray_serving --netns --model-dir /tmp/models --models digits_multimax,deit_tiny \\
         --workload classify:deit_tiny:16 --workload classify:digits_multimax:32 \\
         --workload classify:digits_multimax:1 --seconds 10 --rounds 3 -o ray_bench.json
 """
@@ -28,19 +28,19 @@ from typing import Any
 
 import httpx
 
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.runner import run_async, run_coroutine
+from benchmarks.netns import loopback_namespace
 from service.config import Settings
-from service.loadtest.config import LoadConfig
-from service.loadtest.runner import run_async, run_coroutine
-from service.ray.netns import loopback_namespace
 from service.ray.options import PROXIES, ScaleOptions
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("single", "ray-1", "ray-2")
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str  # service.loadtest workload: classify, infer, generate
+    kind: str  # benchmarks.loadtest workload: classify, infer, generate
     model: str
     concurrency: int
 
@@ -89,7 +89,7 @@ def _ratios(rounds: list[dict[str, dict[str, dict[str, Any]]]], label: str, serv
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.ray.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ray_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=None, help="models to serve (default: the demo models)")
     p.add_argument("--models", default="", help="comma-separated model names (default: all)")
     p.add_argument("--workload", type=Workload.parse, action="append", required=True,

@@ -1,4 +1,4 @@
-"""`python -m service.bench`: the service's benchmarks, each measured side by side in one run.
+"""`python -m benchmarks.serving`: the service's benchmarks, each measured side by side in one run.
 
   overhead    classification images/s through HTTP at saturation vs the same onnxruntime session called
               directly with the same batch policy (batches of max_batch_size); single-request p50 latency
@@ -209,7 +209,7 @@ async def closed_loop(port: int, concurrency: int, seconds: float, make: Callabl
 def digit_pngs(n: int = 64) -> list[bytes]:
     from PIL import Image
 
-    from models.train_vision import digits_split
+    from models.training.vision import digits_split
 
     _, _, x, _ = digits_split(seed=0)
     out = []
@@ -673,7 +673,7 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per load point")
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"environment": environment(), "command": " ".join(["python -m service.bench",
+    results: dict[str, Any] = {"environment": environment(), "command": " ".join(["python -m benchmarks.serving",
                                                                                  *(argv or sys.argv[1:])])}
     runners = {"overhead": bench_overhead, "batching": bench_batching, "generation": bench_generation,
                "decode": bench_decode, "starvation": bench_starvation}

@@ -1,4 +1,4 @@
-"""service.loadtest against a small fake server (raw ASGI on uvicorn, in a thread): bounds, open-loop schedules,
+"""benchmarks.loadtest against a small fake server (raw ASGI on uvicorn, in a thread): bounds, open-loop schedules,
 coordinated omission, error classes, Server-Timing, /metrics deltas, SSE token timing, output files, knee
 detection and the command line. No assertion depends on how fast this machine is: they count requests."""
 
@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 import uvicorn
 
-from service.loadtest import LoadConfig, find_knee, run
-from service.loadtest.cli import main
-from service.loadtest.config import ConfigError, IntRange
-from service.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics
-from service.loadtest.report import CSV_COLUMNS
-from service.loadtest.schedule import bounded, send_offsets
-from service.loadtest.servertiming import parse_server_timing
-from service.loadtest.sse import SSEParser, StreamStats
-from service.loadtest.sweep import analyse
+from benchmarks.loadtest import LoadConfig, find_knee, run
+from benchmarks.loadtest.cli import main
+from benchmarks.loadtest.config import ConfigError, IntRange
+from benchmarks.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics
+from benchmarks.loadtest.report import CSV_COLUMNS
+from benchmarks.loadtest.schedule import bounded, send_offsets
+from benchmarks.loadtest.servertiming import parse_server_timing
+from benchmarks.loadtest.sse import SSEParser, StreamStats
+from benchmarks.loadtest.sweep import analyse
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -263,8 +263,8 @@ def test_a_hung_server_cannot_keep_a_run_going(fake: tuple[str, FakeServer]) -> 
 
 
 def test_connection_errors_are_classified() -> None:
-    from service.loadtest.client import execute, make_session
-    from service.loadtest.workloads import RequestSpec
+    from benchmarks.loadtest.client import execute, make_session
+    from benchmarks.loadtest.workloads import RequestSpec
 
     async def go() -> str:
         async with make_session(1, 2.0) as session:
@@ -377,7 +377,7 @@ def test_generate_streaming_end_to_end(fake: tuple[str, FakeServer]) -> None:
 
 
 def test_prompts_follow_the_length_distribution() -> None:
-    from service.loadtest.workloads import GenerateWorkload
+    from benchmarks.loadtest.workloads import GenerateWorkload
 
     wl = GenerateWorkload(LoadConfig(workload="generate", concurrency=1, requests=1,
                                      prompt_len=IntRange(8, 32), max_tokens=IntRange(16, 64)))
@@ -390,8 +390,8 @@ def test_prompts_follow_the_length_distribution() -> None:
 def test_image_workloads(tmp_path: Path) -> None:
     import base64
 
-    from service.loadtest.images import generate_images
-    from service.loadtest.workloads import build_workload
+    from benchmarks.loadtest.images import generate_images
+    from benchmarks.loadtest.workloads import build_workload
 
     for i, (data, _) in enumerate(generate_images(3)):
         (tmp_path / f"{i}.png").write_bytes(data)
@@ -517,7 +517,7 @@ def test_python_api_refuses_unbounded_runs() -> None:
 
 
 def test_module_entry_point_exits_2_without_traceback() -> None:
-    proc = subprocess.run([sys.executable, "-m", "service.loadtest", "--rate", "10"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.loadtest", "--rate", "10"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("python -m service.loadtest: error:") and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("python -m benchmarks.loadtest: error:") and "Traceback" not in proc.stderr

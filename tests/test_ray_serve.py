@@ -27,13 +27,13 @@ import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
 
+from benchmarks.loadtest.prom import parse_metrics
+from benchmarks.netns import NamespaceUnavailable, loopback_namespace
 from models.demo import DEMO_DIR
 from service.app import create_app
 from service.config import Settings
-from service.loadtest.prom import parse_metrics
 from service.metrics import Metrics
 from service.ray.metrics import MetricsHub, snapshot
-from service.ray.netns import NamespaceUnavailable, loopback_namespace
 from service.ray.options import argv_from_mapping, parse
 from tests.test_service_server import _stop
 

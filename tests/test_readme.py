@@ -160,7 +160,7 @@ BLOCKS = readme_blocks(README.read_text())
 
 def test_the_readme_has_console_blocks_and_the_parser_reads_them() -> None:
     assert len(BLOCKS) >= 6
-    assert any(runnable(c.text) == ".venv/bin/python -m models demo" for b in BLOCKS for c in b.commands)
+    assert any(runnable(c.text) == ".venv/bin/python -m models.training demo" for b in BLOCKS for c in b.commands)
     assert matches(["wrote a.onnx in 7.3 s (x)", "max|diff| 9.54e-07  top-1 100%"],
                    ["noise", "wrote a.onnx in 12.0 s (x)", "max|diff| 1.2e-06  top-1 100%"])
     assert not matches(["top-1 100%"], ["top-1 99%"])

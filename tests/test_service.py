@@ -31,7 +31,7 @@ from models.checkpoint import load
 from models.demo import DEMO_DIR
 from models.gpt import generate
 from models.tokenizer import ByteTokenizer
-from models.train_vision import digits_split
+from models.training.vision import digits_split
 from plugins import ort_ops
 from service import kvcache
 from service.app import create_app

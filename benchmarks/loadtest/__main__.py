@@ -1,5 +1,5 @@
 import sys
 
-from service.loadtest.cli import main
+from benchmarks.loadtest.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """How many requests/s the load generator itself sustains: it drives a trivial server on loopback, with the
 server pinned to one core and the generator to another, and reports who ran out of CPU.
 
-    python -m service.loadtest.selfbench --duration 10 --rates 2000,3000 --concurrency 64 --out runs/selfbench
+    python -m benchmarks.loadtest.selfbench --duration 10 --rates 2000,3000 --concurrency 64 --out runs/selfbench
 
 Rows: a closed loop (the generator's top rate against this server) and open loops at fixed rates (does it
 keep the schedule?). CPU % is of one core: the generator from getrusage, the server from /proc/<pid>/stat,
@@ -25,8 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from service.loadtest.config import LoadConfig
-from service.loadtest.runner import run_async, run_coroutine
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.runner import run_async, run_coroutine
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -130,7 +130,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.loadtest.selfbench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest.selfbench", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per row (default %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop row (default %(default)s)")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     port = _free_port()
     budget = (args.duration + args.warmup + 5) * (1 + len(rates)) * len(loops) + 30
-    cmd = [sys.executable, "-m", "service.loadtest.trivial_server", "--port", str(port), "--duration", f"{budget:g}"]
+    cmd = [sys.executable, "-m", "benchmarks.loadtest.trivial_server", "--port", str(port), "--duration", f"{budget:g}"]
     if pin:
         cmd = ["taskset", "-c", str(args.server_cpu), *cmd]
         os.sched_setaffinity(0, {args.generator_cpu})

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
-from service.loadtest.client import ERROR_CLASSES, Sample
-from service.loadtest.config import LoadConfig
-from service.loadtest.servertiming import parse_server_timing
+from benchmarks.loadtest.client import ERROR_CLASSES, Sample
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.servertiming import parse_server_timing
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
 
