@@ -17,24 +17,20 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.loadtest.config import LoadConfig
 from benchmarks.loadtest.runner import run_async, run_coroutine
 from benchmarks.netns import loopback_namespace
+from benchmarks.server import free_port, start, stop, wait_ready
 from service.config import Settings
 from service.ray.options import PROXIES, ScaleOptions
 
-ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("single", "ray-1", "ray-2")
 
 
@@ -55,22 +51,6 @@ class Workload:
     @property
     def label(self) -> str:
         return f"{self.kind} {self.model} c={self.concurrency}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def _measure(url: str, w: Workload, seconds: float, warmup: float) -> dict[str, Any]:
@@ -114,14 +94,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from service.ray.app import build_app
 
-    service_args = ["--log-level", "warning"]
+    service_args: list[str] = []
     if args.model_dir is not None:
         service_args += ["--model-dir", str(args.model_dir)]
     if args.models:
         service_args += ["--models", args.models]
-    single_port, ray_port = _free_port(), _free_port()
-    single = subprocess.Popen([sys.executable, "-m", "service", "--port", str(single_port), *service_args], cwd=ROOT)
-    urls = {"single": f"http://127.0.0.1:{single_port}"}
+    ray_port = free_port()
+    single, single_url = start(*service_args, output=None)  # its log on this terminal
+    urls = {"single": single_url}
     urls["ray-1"] = urls["ray-2"] = f"http://127.0.0.1:{ray_port}"
     settings = Settings(port=ray_port, log_level="warning",
                         **({"model_dir": args.model_dir} if args.model_dir is not None else {}),
@@ -130,7 +110,6 @@ def _run(args: argparse.Namespace) -> int:
     rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": ray_port})
-        _wait_ready(urls["single"], 120)
         deployed = 0
         for i in range(args.rounds):
             order = SERVERS[i % 3:] + SERVERS[:i % 3]  # rotate: no server always goes first or last
@@ -141,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                     if replicas != deployed:
                         t0 = time.perf_counter()
                         serve.run(build_app(settings, ScaleOptions(replicas=replicas)), name="bench", route_prefix="/")
-                        _wait_ready(urls[server], 120)
+                        wait_ready(urls[server], timeout=120)
                         print(f"[round {i + 1}] deployed {replicas} replica(s) in {time.perf_counter() - t0:.1f} s",
                               file=sys.stderr)
                         deployed = replicas
@@ -152,8 +131,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"p99 {m['p99_ms']:.2f} ms errors {m['errors']}", file=sys.stderr, flush=True)
             rounds.append(result)
     finally:
-        single.terminate()
-        single.wait(timeout=60)
+        stop(single, timeout=60)
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()

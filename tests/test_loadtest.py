@@ -26,12 +26,13 @@ import uvicorn
 from benchmarks.loadtest import LoadConfig, find_knee, run
 from benchmarks.loadtest.cli import main
 from benchmarks.loadtest.config import ConfigError, IntRange
-from benchmarks.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics
+from benchmarks.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics, sample_value
 from benchmarks.loadtest.report import CSV_COLUMNS
 from benchmarks.loadtest.schedule import bounded, send_offsets
 from benchmarks.loadtest.servertiming import parse_server_timing
 from benchmarks.loadtest.sse import SSEParser, StreamStats
 from benchmarks.loadtest.sweep import analyse
+from benchmarks.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -165,12 +166,6 @@ def fake() -> Iterator[tuple[str, FakeServer]]:
         sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- bounds and schedules ---------------------------------------------------------------------------------------
 
 
@@ -268,7 +263,7 @@ def test_connection_errors_are_classified() -> None:
 
     async def go() -> str:
         async with make_session(1, 2.0) as session:
-            return (await execute(session, f"http://127.0.0.1:{_free_port()}", RequestSpec("GET", "/"), 0)).outcome
+            return (await execute(session, f"http://127.0.0.1:{free_port()}", RequestSpec("GET", "/"), 0)).outcome
 
     assert asyncio.run(go()) == "connection"
 
@@ -322,6 +317,12 @@ def test_metrics_diff_is_generic() -> None:
     assert d["untyped_thing_total"]["series"][0] == {"labels": {}, "delta": 1, "reset": True}
     assert histogram_quantile(0.5, [(math.inf, 0)]) is None
     assert parse_metrics('x{a="q\\"uote, and \\\\"} 1\n').samples == {("x", (("a", 'q"uote, and \\'),)): 1.0}
+    # A line the parser rejects costs that line only; sample_value picks one series by a subset of its labels.
+    page = 'ok 1\nnot a {metric line\n# TYPE q gauge\nq 2\n# TYPE r counter\nr_total{a="1",b="x"} 3\nr_total{a="2"} 4\n'
+    assert parse_metrics(page).samples[("q", ())] == 2 and ("ok", ()) in parse_metrics(page).samples
+    assert sample_value(page, "r_total", a="2") == 4
+    with pytest.raises(KeyError):
+        sample_value(page, "r_total")  # two series match
 
 
 def test_sse_parser_and_token_timing() -> None:
@@ -505,7 +506,7 @@ def test_bad_arguments_exit_2_with_one_line(argv: list[str], message: str,
 
 
 def test_unreachable_server_or_model_exits_2(fake: tuple[str, FakeServer], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--url", f"http://127.0.0.1:{_free_port()}", "--concurrency", "1", "--requests", "1"]) == 2
+    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--concurrency", "1", "--requests", "1"]) == 2
     assert "cannot reach" in capsys.readouterr().err
     assert main(["--url", fake[0], "--model", "missing", "--concurrency", "1", "--requests", "1", "--quiet"]) == 2
     assert "not served" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service_server import _free_port, _stop, _wait_ready
+from benchmarks.server import free_port, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -190,11 +190,11 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
         pytest.skip("only set-up and the test command itself: .ci/run runs them verbatim")
     server = None
     if any(SERVER.match(c.text) for c in commands):
-        port = _free_port()
+        port = free_port()
         env["MULTIMAX_SERVE_PORT"] = str(port)
         server = subprocess.Popen([sys.executable, "-m", "service"], cwd=repo, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        _wait_ready(f"http://127.0.0.1:{port}", server)
+        wait_ready(f"http://127.0.0.1:{port}", server)
         commands = [c for c in commands if not SERVER.match(c.text)]
     try:
         texts = [runnable(c.text) or "" for c in commands]
@@ -204,7 +204,7 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
                               timeout=840)
     finally:
         if server is not None:
-            _stop(server)
+            stop(server)
     output = ANSI.sub("", proc.stdout.replace("\r", "\n"))
     for i, command in enumerate(commands):
         segment = output.split(f"@@CMD {i}\n", 1)[1].split("\n@@RC ", 1)

@@ -170,9 +170,9 @@ def test_cpu_machine_requests_only_the_cpu_provider_and_logs_no_provider_error()
 
 
 def test_tensorrt_backend_without_tensorrt_is_a_clear_startup_error() -> None:
-    from service.backends.probe import tensorrt_available
+    from plugins.trt_plugin import tensorrt_unavailable
 
-    if tensorrt_available() is None:
+    if tensorrt_unavailable() is None:
         pytest.skip("TensorRT and a GPU are present")
     with pytest.raises(RegistryError, match="--backend tensorrt: "):
         load_registry(Settings(backend="tensorrt"))
