@@ -23,7 +23,7 @@ from service.backends.base import Backend, BackendUnavailable
 from service.config import Settings
 from service.vision import Preprocess
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 TASKS = {"deit": "image-classification", "gpt": "text-generation"}
 SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}

@@ -13,7 +13,7 @@ import functools
 import logging
 from pathlib import Path
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 @functools.cache

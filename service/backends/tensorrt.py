@@ -20,7 +20,7 @@ import numpy as np
 from plugins.trt_plugin import tensorrt_unavailable
 from service.backends.base import Backend, BackendUnavailable
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 PLUGIN_ENV = "MULTIMAX_TRT_PLUGIN_LIB"
 
 
