@@ -13,6 +13,15 @@ PRODUCT = ("models", "export", "plugins", "service")
 TOOLS = ("benchmarks", "models.training")  # the load tester is benchmarks.loadtest
 # What only the extras install (pyproject.toml): train, loadtest, gpu.
 EXTRAS_ONLY = ("sklearn", "matplotlib", "aiohttp", "hdrh", "uvloop", "locust", "triton")
+# Run first in a child interpreter: importing any of them fails there, as after `pip install -e .`.
+WITHOUT_EXTRAS = f"""
+import importlib, importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {EXTRAS_ONLY!r}:
+            raise ImportError(name + " is an extra")
+sys.meta_path.insert(0, Block())
+"""
 
 
 def product_modules() -> list[tuple[str, Path]]:
@@ -77,13 +86,7 @@ def test_the_product_imports_without_the_extras() -> None:
     modules = [m for m, _ in product_modules()
                if m not in ("plugins.kernel", "plugins.aot") and not m.endswith("__main__")
                and not m.startswith("service.ray")]  # the `ray` extra
-    code = f"""
-import importlib, importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {EXTRAS_ONLY!r}:
-            raise ImportError(f"{{name}} is an extra")
-sys.meta_path.insert(0, Block())
+    code = WITHOUT_EXTRAS + f"""
 for name in {modules!r}:
     importlib.import_module(name)
 print("ok", len({modules!r}))
@@ -95,13 +98,7 @@ print("ok", len({modules!r}))
 def test_the_product_cli_loads_no_tool() -> None:
     """`python -m models info` on a shipped model, with the extras unimportable, loads no training or benchmark
     module (the demo's checkpoints are package data, not training code)."""
-    code = f"""
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {EXTRAS_ONLY!r}:
-            raise ImportError(f"{{name}} is an extra")
-sys.meta_path.insert(0, Block())
+    code = WITHOUT_EXTRAS + """
 from models.cli import main
 from models.demo import DEMO_DIR, VISION_MULTIMAX
 assert main(["info", str(DEMO_DIR / VISION_MULTIMAX)]) == 0
