@@ -1,4 +1,7 @@
-"""`python -m models`: inspect, create, train and plot MultiMax checkpoints.
+"""`python -m models`: inspect and create MultiMax checkpoints.
+
+Training the demo models, the demonstration and the plots are `python -m models.training` (the `train`
+extra): this command line imports no training or plotting code.
 
 Every user error (missing or broken file, unknown preset, bad flag) is one line on stderr and exit
 code 2; nothing is written unless the command finished.
@@ -9,18 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from models import checkpoint as ckpt_io
 from models import deit, gpt
-from models.demo import DEMO_DIR, build_demos, run_demo, text_checkpoint, vision_checkpoint
 from models.describe import describe, format_text
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
-from models.plot import learned_modulations, plot_sigma
 from models.tokenizer import ByteTokenizer
 
 PLACES = ("attention", "output")
@@ -110,46 +110,6 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads) if args.threads else None
-    if args.task == "demos":
-        kinds = (args.only,) if args.only else ("vision", "text")
-        report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet, kinds=kinds)
-        print(json.dumps(report, indent=2))
-        return 0
-    if not args.output:
-        raise UsageError("train vision|text needs -o FILE")
-    if args.task == "vision":
-        from models.train_vision import train_vision
-
-        kwargs = {"epochs": args.epochs} if args.epochs else {}
-        result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
-        ckpt = vision_checkpoint(result)
-    else:
-        from models.train_text import train_text
-
-        kwargs = {"steps": args.steps} if args.steps else {}
-        result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
-        ckpt = text_checkpoint(result)
-    out = ckpt_io.save_checkpoint(ckpt, args.output)
-    print(json.dumps({"checkpoint": str(out), **ckpt.meta}, indent=2))
-    return 0
-
-
-def cmd_plot_sigma(args: argparse.Namespace) -> int:
-    ckpt, _ = ckpt_io.parse(ckpt_io.read_file(args.checkpoint), args.checkpoint, **load_hints(args))
-    mods = learned_modulations(ckpt.state_dict, ckpt.config.get("variant", "second"))
-    if not mods:
-        raise UsageError(f"{args.checkpoint}: no MultiMax parameters to plot (a softmax model)")
-    out = plot_sigma(mods, args.output, title=f"learned MultiMax modulation: {Path(args.checkpoint).name}")
-    print(f"wrote {out} ({len(mods)} panels: {', '.join(m.name for m in mods)})")
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(Path(args.dir), rebuild=args.rebuild)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,33 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_init)
 
-    p = sub.add_parser("train", help="train a demo model on offline data")
-    p.add_argument("task", choices=("vision", "text", "demos"), help="demos = all three demo models")
-    p.add_argument("-o", "--output", help="checkpoint file (a directory for 'demos')")
-    p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | none (softmax twin)")
-    p.add_argument("--epochs", type=int, help="vision epochs")
-    p.add_argument("--steps", type=int, help="text optimisation steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--only", choices=("vision", "text"), help="demos: retrain only these models (report.json kept)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("plot-sigma", help="plot the learned sigma of every layer (paper Figure 3)")
-    p.add_argument("checkpoint")
-    p.add_argument("-o", "--output", default="sigma.png")
-    add_load_hints(p)
-    p.set_defaults(func=cmd_plot_sigma)
-
-    p = sub.add_parser("demo", help="classify held-out digits and generate text with the demo models")
-    p.add_argument("--dir", default=str(DEMO_DIR), help="where the demo checkpoints live")
-    p.add_argument("--rebuild", action="store_true", help="train the demo models again first")
-    p.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse `argv` and run the chosen command: user errors are one line on stderr and exit code 2."""
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except (CheckpointError, UsageError) as exc:

@@ -76,16 +76,14 @@ def _load(onnx_path: Path) -> onnx.ModelProto:
 
 
 def require_tensorrt() -> Any:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise BuildError(
-            "TensorRT is not installed: on a machine with an NVIDIA GPU, pip install 'multimax-serve[tensorrt]'"
-        ) from None
-    import torch
+    """The tensorrt module, or BuildError saying why TensorRT cannot build engines here."""
+    from plugins.trt_plugin import tensorrt_unavailable
 
-    if not torch.cuda.is_available():
-        raise BuildError("building a TensorRT engine needs a CUDA GPU, and none is visible")
+    why = tensorrt_unavailable()
+    if why:
+        raise BuildError(why)
+    import tensorrt as trt
+
     return trt
 
 

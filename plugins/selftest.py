@@ -318,12 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         from plugins.trt_plugin import device_arch
 
         rows += aot_rows([device_arch()] if gpu else [80, 90], in_process=not interpreting())
-    from plugins.trt_plugin import tensorrt_available
+    from plugins.trt_plugin import tensorrt_unavailable
 
     if not gpu:
         skipped.append(("TensorRT engine", "no CUDA GPU"))
-    elif not tensorrt_available():
-        skipped.append(("TensorRT engine", "TensorRT is not installed (pip install 'multimax-serve[tensorrt]')"))
+    elif why_no_trt := tensorrt_unavailable():
+        skipped.append(("TensorRT engine", why_no_trt))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             rows += tensorrt_rows(Path(tmp))

@@ -30,12 +30,21 @@ PLUGIN_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 MAX_MASKED_RANK = 4  # the mask row mapping covers 3 leading axes: [B, H, T, S] scores
 
 
-def tensorrt_available() -> bool:
+@functools.cache
+def tensorrt_unavailable() -> str | None:
+    """Why TensorRT cannot build or run engines here, in one line (for an error or a skip); None when it can.
+    The one check the exporter, the engine builder, the self-test and the server's TensorRT backend share."""
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "TensorRT is not installed (on a machine with an NVIDIA GPU: pip install 'multimax-serve[tensorrt]')"
+    except Exception as exc:  # a broken install raises all sorts
+        return f"TensorRT failed to import: {exc}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "TensorRT needs a CUDA GPU, and PyTorch sees none (engine buffers are torch CUDA tensors)"
+    return None
 
 
 def device_arch() -> int:

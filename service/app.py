@@ -18,7 +18,7 @@ from service.middleware import BodyLimit, GraceExpiry, ServerTiming
 from service.registry import load_models
 from service.runtime import Runtimes
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

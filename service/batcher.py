@@ -29,7 +29,7 @@ from service.errors import ServiceError
 from service.health import Health
 from service.metrics import Metrics
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 # outcome label of the requests counter, by status
 OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 408: "timeout",

@@ -36,7 +36,7 @@ from service.health import Health
 from service.metrics import Metrics
 from service.sampling import NonFiniteLogits, sample_token
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back to the event loop
 

@@ -23,7 +23,7 @@ from service.backends.base import Backend, BackendUnavailable
 from service.config import Settings
 from service.vision import Preprocess
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 TASKS = {"deit": "image-classification", "gpt": "text-generation"}
 SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}
@@ -189,9 +189,9 @@ def load_models(settings: Settings) -> tuple[dict[str, ModelEntry], dict[str, st
                                 f"(found: {', '.join(found) or 'none'})")
         found = {m: found[m] for m in settings.models}
     if settings.backend == "tensorrt":
-        from service.backends.probe import tensorrt_available
+        from plugins.trt_plugin import tensorrt_unavailable
 
-        why = tensorrt_available()
+        why = tensorrt_unavailable()
         if why:
             raise RegistryError(f"--backend tensorrt: {why}")
     entries: dict[str, ModelEntry] = {}

@@ -17,7 +17,7 @@ from service.metrics import UNKNOWN_MODEL, Metrics
 from service.registry import ModelEntry
 from service.vision import Preprocess
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 ENDPOINTS = {"image-classification": ("classify", "infer"), "text-generation": ("completions", "infer")}
 
 

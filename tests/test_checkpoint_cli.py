@@ -20,10 +20,10 @@ from models.multimax import paper_params
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, module: str = "models") -> subprocess.CompletedProcess[str]:
     """The real entry point in a subprocess: exit code, stdout and stderr as a user sees them."""
     return subprocess.run(
-        [sys.executable, "-m", "models", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 
@@ -179,11 +179,12 @@ def test_plot_sigma(tmp_path: Path) -> None:
     ckpt = tmp_path / "tiny.pt"
     assert main(["init", "deit_tiny", "-o", str(ckpt)]) == 0
     png = tmp_path / "sigma.png"
-    proc = run_cli("plot-sigma", str(ckpt), "-o", str(png))
+    proc = run_cli("plot-sigma", str(ckpt), "-o", str(png), module="models.training")
     assert proc.returncode == 0, proc.stderr
     assert "13 panels" in proc.stdout  # 12 attention layers and the output layer
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     softmax = tmp_path / "softmax.pt"
     assert main(["init", "deit_tiny", "--multimax", "none", "-o", str(softmax)]) == 0
-    assert_clean_error(run_cli("plot-sigma", str(softmax), "-o", str(tmp_path / "s.png")), "no MultiMax")
+    proc = run_cli("plot-sigma", str(softmax), "-o", str(tmp_path / "s.png"), module="models.training")
+    assert_clean_error(proc, "no MultiMax")
     assert not (tmp_path / "s.png").exists()

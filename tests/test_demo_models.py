@@ -13,12 +13,12 @@ import torch
 
 from models.checkpoint import load
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
-from models.digit_inputs import VARIANTS, variant_accuracies
-from models.fingerprint import training_fingerprint
 from models.gpt import generate
 from models.tokenizer import ByteTokenizer
-from models.train_text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
-from models.train_vision import accuracy, digits_8x8_split, digits_split, train_vision
+from models.training.digit_inputs import VARIANTS, variant_accuracies
+from models.training.fingerprint import training_fingerprint
+from models.training.text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
+from models.training.vision import accuracy, digits_8x8_split, digits_split, train_vision
 
 ROOT = Path(__file__).resolve().parents[1]
 # 97% on every kind of input, except blocky nearest-neighbour upscales: 96.4% (MultiMax) and 96.7% (softmax)
@@ -77,7 +77,7 @@ def test_shipped_text_model_bits_per_byte_and_english_like_samples() -> None:
 
 
 def test_demo_command_runs_on_shipped_models() -> None:
-    proc = subprocess.run([sys.executable, "-m", "models", "demo"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "models.training", "demo"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"digits_multimax\.pt\s+accuracy (9[7-9]|100)\.\d\d%", proc.stdout), proc.stdout

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 from PIL import Image
 
-from tests.test_service_server import _start, _stop
+from benchmarks.server import start, stop
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # CI installs it (.ci/run), so there a missing browser fails instead of skipping.
@@ -30,11 +30,11 @@ ENDPOINTS = ["/v1/models", "/v1/completions", "/v1/models/{name}/classify", "/v2
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, url = _start()
+    proc, url = start()
     try:
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def chromium(url: str, tmp: Path, *extra: str) -> tuple[str, NetLog]:

@@ -317,7 +317,7 @@ def test_wrong_shape_or_key_is_a_checkpoint_error() -> None:
 
 
 def test_stdlib_docstrings_corpus_is_deterministic() -> None:
-    from models.train_text import split_docs, stdlib_docstring_list, stdlib_docstrings
+    from models.training.text import split_docs, stdlib_docstring_list, stdlib_docstrings
 
     # A capped corpus (parsing the whole stdlib takes several seconds; the cap stops early).
     text = stdlib_docstrings(300_000)
@@ -329,7 +329,7 @@ def test_stdlib_docstrings_corpus_is_deterministic() -> None:
 
 
 def test_train_text_smoke() -> None:
-    from models.train_text import stdlib_docstring_list, train_text
+    from models.training.text import stdlib_docstring_list, train_text
 
     out = train_text(
         preset="gpt-nano", steps=4, batch_size=4, seq_len=32, n_samples=1, sample_tokens=8,

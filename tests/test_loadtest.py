@@ -1,4 +1,4 @@
-"""service.loadtest against a small fake server (raw ASGI on uvicorn, in a thread): bounds, open-loop schedules,
+"""benchmarks.loadtest against a small fake server (raw ASGI on uvicorn, in a thread): bounds, open-loop schedules,
 coordinated omission, error classes, Server-Timing, /metrics deltas, SSE token timing, output files, knee
 detection and the command line. No assertion depends on how fast this machine is: they count requests."""
 
@@ -23,15 +23,16 @@ from typing import Any
 import pytest
 import uvicorn
 
-from service.loadtest import LoadConfig, find_knee, run
-from service.loadtest.cli import main
-from service.loadtest.config import ConfigError, IntRange
-from service.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics
-from service.loadtest.report import CSV_COLUMNS
-from service.loadtest.schedule import bounded, send_offsets
-from service.loadtest.servertiming import parse_server_timing
-from service.loadtest.sse import SSEParser, StreamStats
-from service.loadtest.sweep import analyse
+from benchmarks.loadtest import LoadConfig, find_knee, run
+from benchmarks.loadtest.cli import main
+from benchmarks.loadtest.config import ConfigError, IntRange
+from benchmarks.loadtest.prom import diff_metrics, histogram_quantile, parse_metrics, sample_value
+from benchmarks.loadtest.report import CSV_COLUMNS
+from benchmarks.loadtest.schedule import bounded, send_offsets
+from benchmarks.loadtest.servertiming import parse_server_timing
+from benchmarks.loadtest.sse import SSEParser, StreamStats
+from benchmarks.loadtest.sweep import analyse
+from benchmarks.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -165,12 +166,6 @@ def fake() -> Iterator[tuple[str, FakeServer]]:
         sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- bounds and schedules ---------------------------------------------------------------------------------------
 
 
@@ -263,12 +258,12 @@ def test_a_hung_server_cannot_keep_a_run_going(fake: tuple[str, FakeServer]) -> 
 
 
 def test_connection_errors_are_classified() -> None:
-    from service.loadtest.client import execute, make_session
-    from service.loadtest.workloads import RequestSpec
+    from benchmarks.loadtest.client import execute, make_session
+    from benchmarks.loadtest.workloads import RequestSpec
 
     async def go() -> str:
         async with make_session(1, 2.0) as session:
-            return (await execute(session, f"http://127.0.0.1:{_free_port()}", RequestSpec("GET", "/"), 0)).outcome
+            return (await execute(session, f"http://127.0.0.1:{free_port()}", RequestSpec("GET", "/"), 0)).outcome
 
     assert asyncio.run(go()) == "connection"
 
@@ -322,6 +317,12 @@ def test_metrics_diff_is_generic() -> None:
     assert d["untyped_thing_total"]["series"][0] == {"labels": {}, "delta": 1, "reset": True}
     assert histogram_quantile(0.5, [(math.inf, 0)]) is None
     assert parse_metrics('x{a="q\\"uote, and \\\\"} 1\n').samples == {("x", (("a", 'q"uote, and \\'),)): 1.0}
+    # A line the parser rejects costs that line only; sample_value picks one series by a subset of its labels.
+    page = 'ok 1\nnot a {metric line\n# TYPE q gauge\nq 2\n# TYPE r counter\nr_total{a="1",b="x"} 3\nr_total{a="2"} 4\n'
+    assert parse_metrics(page).samples[("q", ())] == 2 and ("ok", ()) in parse_metrics(page).samples
+    assert sample_value(page, "r_total", a="2") == 4
+    with pytest.raises(KeyError):
+        sample_value(page, "r_total")  # two series match
 
 
 def test_sse_parser_and_token_timing() -> None:
@@ -377,7 +378,7 @@ def test_generate_streaming_end_to_end(fake: tuple[str, FakeServer]) -> None:
 
 
 def test_prompts_follow_the_length_distribution() -> None:
-    from service.loadtest.workloads import GenerateWorkload
+    from benchmarks.loadtest.workloads import GenerateWorkload
 
     wl = GenerateWorkload(LoadConfig(workload="generate", concurrency=1, requests=1,
                                      prompt_len=IntRange(8, 32), max_tokens=IntRange(16, 64)))
@@ -390,8 +391,8 @@ def test_prompts_follow_the_length_distribution() -> None:
 def test_image_workloads(tmp_path: Path) -> None:
     import base64
 
-    from service.loadtest.images import generate_images
-    from service.loadtest.workloads import build_workload
+    from benchmarks.loadtest.images import generate_images
+    from benchmarks.loadtest.workloads import build_workload
 
     for i, (data, _) in enumerate(generate_images(3)):
         (tmp_path / f"{i}.png").write_bytes(data)
@@ -505,7 +506,7 @@ def test_bad_arguments_exit_2_with_one_line(argv: list[str], message: str,
 
 
 def test_unreachable_server_or_model_exits_2(fake: tuple[str, FakeServer], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--url", f"http://127.0.0.1:{_free_port()}", "--concurrency", "1", "--requests", "1"]) == 2
+    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--concurrency", "1", "--requests", "1"]) == 2
     assert "cannot reach" in capsys.readouterr().err
     assert main(["--url", fake[0], "--model", "missing", "--concurrency", "1", "--requests", "1", "--quiet"]) == 2
     assert "not served" in capsys.readouterr().err
@@ -517,7 +518,7 @@ def test_python_api_refuses_unbounded_runs() -> None:
 
 
 def test_module_entry_point_exits_2_without_traceback() -> None:
-    proc = subprocess.run([sys.executable, "-m", "service.loadtest", "--rate", "10"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.loadtest", "--rate", "10"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("python -m service.loadtest: error:") and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("python -m benchmarks.loadtest: error:") and "Traceback" not in proc.stderr

@@ -243,11 +243,11 @@ def test_unavailable_library_falls_back_with_one_log_line(
     fresh_library: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("MULTIMAX_ORT_OPS", "0")
-    with caplog.at_level(logging.WARNING, logger="multimax.ort_ops"):
+    with caplog.at_level(logging.WARNING, logger="plugins.ort_ops"):
         assert not ort_ops.register(ort.SessionOptions())
         assert not ort_ops.register(ort.SessionOptions())
         backend = OnnxRuntimeBackend(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
-    lines = [r.getMessage() for r in caplog.records if r.name == "multimax.ort_ops"]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("plugins.ort_ops")]
     assert lines == [
         "fused MultiMax ops unavailable (turned off by MULTIMAX_ORT_OPS); onnxruntime runs the function bodies instead"
     ]

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,15 @@ import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
 
+from benchmarks.loadtest.prom import parse_metrics
+from benchmarks.netns import NamespaceUnavailable, loopback_namespace
+from benchmarks.server import free_port, stop
 from models.demo import DEMO_DIR
 from service.app import create_app
 from service.config import Settings
-from service.loadtest.prom import parse_metrics
 from service.metrics import Metrics
 from service.ray.metrics import MetricsHub, snapshot
-from service.ray.netns import NamespaceUnavailable, loopback_namespace
 from service.ray.options import argv_from_mapping, parse
-from tests.test_service_server import _stop
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # a local Ray start is 15-20 s on 2 idle cores; replicas load their models after
@@ -148,12 +147,6 @@ class RayServer:
         return self.log.read_text(errors="replace")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
     pytest.importorskip("ray", reason="Ray Serve is the optional `ray` extra (pip install -e '.[ray]')")
@@ -162,7 +155,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
             stack.enter_context(loopback_namespace("mmx-ray-test"))
         except NamespaceUnavailable as exc:
             pytest.skip(f"Ray tests need a loopback-only network namespace and none can be made here: {exc}")
-        port = _free_port()
+        port = free_port()
         log = tmp_path_factory.mktemp("ray") / "server.log"
         # small limits so that backpressure shows with a few dozen requests; one decode slot per replica so
         # that streams queue and last long enough to be in flight at the shutdown
@@ -183,7 +176,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
                 time.sleep(0.5)
             yield server
         finally:
-            _stop(proc, timeout=90)  # Ray's drain takes longer than the single process's
+            stop(proc, timeout=90)  # Ray's drain takes longer than the single process's
 
 
 def _page(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service_server import _free_port, _stop, _wait_ready
+from benchmarks.server import free_port, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -160,7 +160,7 @@ BLOCKS = readme_blocks(README.read_text())
 
 def test_the_readme_has_console_blocks_and_the_parser_reads_them() -> None:
     assert len(BLOCKS) >= 6
-    assert any(runnable(c.text) == ".venv/bin/python -m models demo" for b in BLOCKS for c in b.commands)
+    assert any(runnable(c.text) == ".venv/bin/python -m models.training demo" for b in BLOCKS for c in b.commands)
     assert matches(["wrote a.onnx in 7.3 s (x)", "max|diff| 9.54e-07  top-1 100%"],
                    ["noise", "wrote a.onnx in 12.0 s (x)", "max|diff| 1.2e-06  top-1 100%"])
     assert not matches(["top-1 100%"], ["top-1 99%"])
@@ -190,11 +190,11 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
         pytest.skip("only set-up and the test command itself: .ci/run runs them verbatim")
     server = None
     if any(SERVER.match(c.text) for c in commands):
-        port = _free_port()
+        port = free_port()
         env["MULTIMAX_SERVE_PORT"] = str(port)
         server = subprocess.Popen([sys.executable, "-m", "service"], cwd=repo, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        _wait_ready(f"http://127.0.0.1:{port}", server)
+        wait_ready(f"http://127.0.0.1:{port}", server)
         commands = [c for c in commands if not SERVER.match(c.text)]
     try:
         texts = [runnable(c.text) or "" for c in commands]
@@ -204,7 +204,7 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
                               timeout=840)
     finally:
         if server is not None:
-            _stop(server)
+            stop(server)
     output = ANSI.sub("", proc.stdout.replace("\r", "\n"))
     for i, command in enumerate(commands):
         segment = output.split(f"@@CMD {i}\n", 1)[1].split("\n@@RC ", 1)

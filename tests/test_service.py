@@ -31,7 +31,7 @@ from models.checkpoint import load
 from models.demo import DEMO_DIR
 from models.gpt import generate
 from models.tokenizer import ByteTokenizer
-from models.train_vision import digits_split
+from models.training.vision import digits_split
 from plugins import ort_ops
 from service import kvcache
 from service.app import create_app
@@ -170,9 +170,9 @@ def test_cpu_machine_requests_only_the_cpu_provider_and_logs_no_provider_error()
 
 
 def test_tensorrt_backend_without_tensorrt_is_a_clear_startup_error() -> None:
-    from service.backends.probe import tensorrt_available
+    from plugins.trt_plugin import tensorrt_unavailable
 
-    if tensorrt_available() is None:
+    if tensorrt_unavailable() is None:
         pytest.skip("TensorRT and a GPU are present")
     with pytest.raises(RegistryError, match="--backend tensorrt: "):
         load_registry(Settings(backend="tensorrt"))

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +27,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from benchmarks.loadtest.prom import sample_value
+from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
 from service.app import create_app
 from service.config import Settings
@@ -37,59 +36,14 @@ from service.config import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[str] | None = None, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"server at {url} not ready after {timeout} s")
-
-
-def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, url
-
-
-def _stop(proc: subprocess.Popen[str], timeout: float = 30) -> None:
-    """SIGTERM (the server drains), then kill if it has not exited within `timeout` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def service_server() -> Iterator[str]:
     """`python -m service` with its defaults (the demo models), on a free port."""
-    proc, url = _start()
+    proc, url = start()
     try:
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 # ---- official clients ------------------------------------------------------------------------------------
@@ -207,14 +161,14 @@ class _ThreadServer:
     """uvicorn in a thread of this process, so the test can reach into the app (here: slow its model down)."""
 
     def __init__(self, app: Any) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
         self.thread.start()
         url = f"http://127.0.0.1:{self.port}"
-        _wait_ready(url)
+        wait_ready(url)
         return url
 
     def __exit__(self, *exc: object) -> None:
@@ -223,15 +177,11 @@ class _ThreadServer:
 
 
 def _generated_total(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith('multimax_generation_tokens_total{model="text_multimax"}'))
-    return float(line.split()[-1])
+    return sample_value(httpx.get(f"{url}/metrics").text, "multimax_generation_tokens_total", model="text_multimax")
 
 
 def _gauge(url: str, which: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    prefix = f'multimax_{which}_sequences{{model="text_multimax"}}'
-    return float(next(x for x in text.splitlines() if x.startswith(prefix)).split()[-1])
+    return sample_value(httpx.get(f"{url}/metrics").text, f"multimax_{which}_sequences", model="text_multimax")
 
 
 def test_a_closed_stream_frees_its_slot_at_once() -> None:
@@ -272,7 +222,7 @@ def test_a_closed_stream_frees_its_slot_at_once() -> None:
 def test_sigterm_finishes_in_flight_streams_then_exits() -> None:
     # PyTorch with one thread: a few ms per token, so three queued 100-token streams outlast the signal by ~1 s
     # (two threads on a busy 2-core machine can be 50x slower: OpenMP workers wait on each other).
-    proc, url = _start("--models", "text_multimax", "--backend", "torch", "--max-running-sequences", "1",
+    proc, url = start("--models", "text_multimax", "--backend", "torch", "--max-running-sequences", "1",
                        "--intra-op-threads", "1", "--log-level", "info")
     results: list[dict[str, Any]] = []
     first_chunk = threading.Event()

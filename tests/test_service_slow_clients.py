@@ -15,20 +15,16 @@ import httpx
 import pytest
 import uvicorn
 
+from benchmarks.loadtest.prom import sample_value
+from benchmarks.server import free_port
 from service.app import create_app
 from service.config import Settings
 from service.slowclient import header_timeout_protocol
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     def __init__(self, app: Any, header_timeout_s: float = 0.5, grace_s: float = 30.0) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 http=header_timeout_protocol(header_timeout_s), timeout_graceful_shutdown=grace_s)
         self.server = uvicorn.Server(config)
@@ -99,9 +95,8 @@ def test_a_body_sent_too_slowly_gets_408_json(server: Server) -> None:
 
 
 def _count(url: str, endpoint: str, outcome: str) -> float:
-    prefix = f'multimax_requests_total{{endpoint="{endpoint}",model="digits_multimax",outcome="{outcome}"}}'
-    text = httpx.get(f"{url}/metrics").text
-    return float(next(x for x in text.splitlines() if x.startswith(prefix)).split()[-1])
+    return sample_value(httpx.get(f"{url}/metrics").text, "multimax_requests_total", endpoint=endpoint,
+                        model="digits_multimax", outcome=outcome)
 
 
 def test_a_client_leaving_while_uploading_is_cancelled_not_an_error(server: Server,

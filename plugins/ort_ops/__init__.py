@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 DOMAIN = "multimax"
-log = logging.getLogger("multimax.ort_ops")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

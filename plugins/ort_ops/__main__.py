@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plugins.ort_ops", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     args = parser.parse_args(argv)
-    logging.getLogger("multimax.ort_ops").addHandler(logging.NullHandler())  # the reason is printed below
+    logging.getLogger("plugins.ort_ops").addHandler(logging.NullHandler())  # the reason is printed below
     lib = library()
     info = {
         "available": lib.available,

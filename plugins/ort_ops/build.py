@@ -25,7 +25,7 @@ COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fvisibili
 UNITS = {"multimax_ops.cc": [], "rows_portable.cc": []}
 X86_UNITS = {"rows_avx2.cc": ["-mavx2", "-mfma"], "rows_avx512.cc": ["-mavx512f", "-mfma"]}
 COMPILE_TIMEOUT_S = 300
-log = logging.getLogger("multimax.ort_ops")
+log = logging.getLogger(__name__)
 
 
 class BuildFailed(RuntimeError):

@@ -14,7 +14,7 @@ from plugins import ort_ops
 from service.backends.base import Backend, BackendUnavailable, Past
 from service.backends.probe import onnxruntime_providers
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 def read_metadata(session: ort.InferenceSession) -> dict[str, Any]:

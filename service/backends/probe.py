@@ -13,7 +13,7 @@ import functools
 import logging
 from pathlib import Path
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -81,15 +81,3 @@ def torch_cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@functools.cache
-def tensorrt_available() -> str | None:
-    """None if TensorRT can run here, else why not."""
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "the tensorrt Python package is not installed (pip install -e '.[tensorrt]' on a GPU machine)"
-    except Exception as exc:  # a broken install raises all sorts
-        return f"tensorrt failed to import: {exc}"
-    if not torch_cuda_available():
-        return "no CUDA device usable by PyTorch (TensorRT buffers are torch CUDA tensors)"
-    return None

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from plugins.trt_plugin import tensorrt_unavailable
 from service.backends.base import Backend, BackendUnavailable
-from service.backends.probe import tensorrt_available
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 PLUGIN_ENV = "MULTIMAX_TRT_PLUGIN_LIB"
 
 
@@ -63,7 +63,7 @@ class TensorRTBackend(Backend):
     platform = "tensorrt_plan"
 
     def __init__(self, path: Path, arch: str, plugin_lib: str = "") -> None:
-        why = tensorrt_available()
+        why = tensorrt_unavailable()
         if why:
             raise BackendUnavailable(f"{path.name}: TensorRT unavailable: {why}")
         if arch != "deit":

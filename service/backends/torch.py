@@ -17,7 +17,7 @@ from models.loading import CheckpointError, check_keys
 from service.backends.base import Backend, BackendUnavailable, Past
 from service.backends.probe import torch_cuda_available
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 _threads_lock = threading.Lock()
 
 

@@ -17,7 +17,7 @@ import threading
 from service.ray.options import PROG, parse
 from service.registry import RegistryError, scan
 
-log = logging.getLogger("service.ray")
+log = logging.getLogger("service.ray.__main__")  # its module (__name__ is "__main__" under -m)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from service.errors import error_response
 from service.ray.metrics import snapshot
 from service.runtime import Runtimes
 
-log = logging.getLogger("service.ray")
+log = logging.getLogger(__name__)
 FORGET_TIMEOUT_S = 2.0
 
 

@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from service.loadtest.client import Sample, execute, make_session
-from service.loadtest.config import ConfigError, LoadConfig
-from service.loadtest.progress import LiveState, Progress
-from service.loadtest.prom import Snapshot, diff_metrics, parse_metrics
-from service.loadtest.schedule import bounded, send_offsets
-from service.loadtest.stats import Recorder, Result
-from service.loadtest.workloads import Workload, build_workload
+from benchmarks.loadtest.client import Sample, execute, make_session
+from benchmarks.loadtest.config import ConfigError, LoadConfig
+from benchmarks.loadtest.progress import LiveState, Progress
+from benchmarks.loadtest.prom import Snapshot, diff_metrics, parse_metrics
+from benchmarks.loadtest.schedule import bounded, send_offsets
+from benchmarks.loadtest.stats import Recorder, Result
+from benchmarks.loadtest.workloads import Workload, build_workload
 
 Sink = Callable[[Sample], None]
 T = TypeVar("T")

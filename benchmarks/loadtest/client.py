@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from service.loadtest.servertiming import parse_server_timing
-from service.loadtest.sse import SSEParser, StreamStats
-from service.loadtest.workloads import RequestSpec
+from benchmarks.loadtest.servertiming import parse_server_timing
+from benchmarks.loadtest.sse import SSEParser, StreamStats
+from benchmarks.loadtest.workloads import RequestSpec
 
 # How a request ended. "stream": the status was 200 but the SSE stream broke (an error event, or no [DONE]).
 OUTCOMES = ("ok", "4xx", "429", "5xx", "timeout", "connection", "stream", "other")

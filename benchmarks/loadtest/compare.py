@@ -1,10 +1,10 @@
-"""Run one workload with service.loadtest and with locust (headless) against the same server; print and write
+"""Run one workload with benchmarks.loadtest and with locust (headless) against the same server; print and write
 the numbers side by side.
 
-    python -m service.loadtest.compare --url http://127.0.0.1:8000 --workload classify --users 8 --duration 10 \\
+    python -m benchmarks.loadtest.compare --url http://127.0.0.1:8000 --workload classify --users 8 --duration 10 \\
         --out runs/compare
 
-Order: warm-up, service.loadtest closed loop (concurrency = users), locust (-u users, no think time), the
+Order: warm-up, benchmarks.loadtest closed loop (concurrency = users), locust (-u users, no think time), the
 closed loop again (how much of a difference is run-to-run noise), then open loops at the rate locust reached
 and at 80% of it (the same throughput offered as arrivals, measured without coordinated omission). This
 process and locust (a child: it inherits the affinity) run on --cpu, so a server pinned to another core does
@@ -26,9 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from service.loadtest.config import WORKLOADS, ConfigError, LoadConfig
-from service.loadtest.runner import run_async
-from service.loadtest.stats import Result
+from benchmarks.loadtest.config import WORKLOADS, ConfigError, LoadConfig
+from benchmarks.loadtest.runner import run_async
+from benchmarks.loadtest.stats import Result
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -97,7 +97,7 @@ async def _ours_async(cfg: LoadConfig) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.loadtest.compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--workload", choices=WORKLOADS, default="classify")
     p.add_argument("--model")

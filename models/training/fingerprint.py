@@ -1,6 +1,6 @@
 """What the demo models' training depends on, as one hash per model kind.
 
-`python -m models train demos` records these in `models/demo/report.json`; the slow retraining tests run
+`python -m models.training train demos` records these in `models/demo/report.json`; the slow retraining tests run
 only when the current hash differs from the recorded one (the training code, the data or the software
 changed), so CI does not spend ten minutes re-proving what the shipped models already prove.
 Code is hashed by its syntax tree without docstrings, so comments and wording do not count as changes.
@@ -17,11 +17,11 @@ import numpy as np
 import sklearn
 import torch
 
-HERE = Path(__file__).resolve().parent
-# The modules whose code decides the trained weights, per kind.
+MODELS = Path(__file__).resolve().parents[1]
+# The modules whose code decides the trained weights, per kind (paths relative to models/).
 SOURCES = {
-    "vision": ("train_vision.py", "digit_inputs.py", "training.py", "deit.py", "multimax.py"),
-    "text": ("train_text.py", "training.py", "gpt.py", "multimax.py", "tokenizer.py"),
+    "vision": ("training/vision.py", "training/digit_inputs.py", "training/optim.py", "deit.py", "multimax.py"),
+    "text": ("training/text.py", "training/optim.py", "gpt.py", "multimax.py", "tokenizer.py"),
 }
 
 
@@ -50,7 +50,7 @@ def data_identity(kind: str) -> str:
 def training_fingerprint(kind: str) -> str:
     h = hashlib.sha256()
     for name in SOURCES[kind]:
-        h.update(f"{name}:{code_digest(HERE / name)}\n".encode())
+        h.update(f"{name}:{code_digest(MODELS / name)}\n".encode())
     h.update(f"{data_identity(kind)}\ntorch {torch.__version__}\nsklearn {sklearn.__version__}\n".encode())
     return h.hexdigest()[:16]
 

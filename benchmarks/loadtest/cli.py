@@ -1,4 +1,4 @@
-"""`python -m service.loadtest`: parse the command line, run (or sweep), print the summary, write the files.
+"""`python -m benchmarks.loadtest`: parse the command line, run (or sweep), print the summary, write the files.
 
 Bad options and an unreachable server exit 2 with one line on stderr, never a traceback.
 """
@@ -12,14 +12,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
 
-from service.loadtest.config import WORKLOADS, ConfigError, IntRange, LoadConfig
-from service.loadtest.progress import Progress
-from service.loadtest.report import report_dict, summary, sweep_summary, write_csv, write_json, write_requests_csv
-from service.loadtest.runner import run_async, run_coroutine
-from service.loadtest.stats import Result
-from service.loadtest.sweep import SweepResult, analyse, sweep_configs
+from benchmarks.loadtest.config import WORKLOADS, ConfigError, IntRange, LoadConfig
+from benchmarks.loadtest.progress import Progress
+from benchmarks.loadtest.report import report_dict, summary, sweep_summary, write_csv, write_json, write_requests_csv
+from benchmarks.loadtest.runner import run_async, run_coroutine
+from benchmarks.loadtest.stats import Result
+from benchmarks.loadtest.sweep import SweepResult, analyse, sweep_configs
 
-PROG = "python -m service.loadtest"
+PROG = "python -m benchmarks.loadtest"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,10 +155,10 @@ async def _run_all(configs: list[LoadConfig], progress: Progress | None) -> list
 
 
 def write_outputs(out: Path, results: list[Result], sweep: SweepResult | None, argv: list[str]) -> list[Path]:
-    from service.loadtest.plots import plot_histogram, plot_latency_vs_throughput
+    from benchmarks.loadtest.plots import plot_histogram, plot_latency_vs_throughput
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"tool": "service.loadtest", "command": " ".join([PROG, *map(shlex.quote, argv)]),
+    meta = {"tool": "benchmarks.loadtest", "command": " ".join([PROG, *map(shlex.quote, argv)]),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     files = [out / "results.json", out / "results.csv", out / "latency_vs_throughput.png",
              out / "latency_histogram.png"]

@@ -1,10 +1,10 @@
-"""The same workloads for locust, to compare its numbers with service.loadtest's (see compare.py).
+"""The same workloads for locust, to compare its numbers with benchmarks.loadtest's (see compare.py).
 
-    LOADTEST_WORKLOAD=classify LOADTEST_MODEL=digits_multimax locust -f service/loadtest/locustfile.py \\
+    LOADTEST_WORKLOAD=classify LOADTEST_MODEL=digits_multimax locust -f benchmarks/loadtest/locustfile.py \\
         --headless -u 8 -r 8 -t 10s --host http://127.0.0.1:8000 --csv out/locust
 
 Each user is a closed loop with no think time (wait_time 0), so `-u N` is the counterpart of `--concurrency N`.
-Requests are built by service.loadtest.workloads from the same seed, so both tools send the same bytes.
+Requests are built by benchmarks.loadtest.workloads from the same seed, so both tools send the same bytes.
 generate runs without streaming here (locust has no notion of tokens).
 """
 
@@ -20,8 +20,8 @@ from locust import FastHttpUser, constant, task
 # locust imports this file by path; make the project importable however locust was started.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from service.loadtest.config import IntRange, LoadConfig
-from service.loadtest.workloads import build_workload
+from benchmarks.loadtest.config import IntRange, LoadConfig
+from benchmarks.loadtest.workloads import build_workload
 
 _env = os.environ.get
 CONFIG = LoadConfig(

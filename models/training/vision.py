@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.deit import DeiT, DeiTConfig
-from models.digit_inputs import IMAGE_SIZE, variant_accuracies
-from models.training import param_groups, warmup_cosine
+from models.training.digit_inputs import IMAGE_SIZE, variant_accuracies
+from models.training.optim import param_groups, warmup_cosine
 
 DIGITS_PREPROCESS: dict[str, Any] = {
     "channels": "L",

@@ -1,4 +1,4 @@
-"""`python -m service.bench`: the service's benchmarks, each measured side by side in one run.
+"""`python -m benchmarks.serving`: the service's benchmarks, each measured side by side in one run.
 
   overhead    classification images/s through HTTP at saturation vs the same onnxruntime session called
               directly with the same batch policy (batches of max_batch_size); single-request p50 latency
@@ -10,9 +10,10 @@
   starvation  inter-token latency of one admitted stream, idle vs during a storm of requests that all get
               429 (alternating rounds; the figure is the median of the per-round ratios)
 
-The server runs as a subprocess (`python -m service`), the load generator in this process: a minimal
-HTTP/1.1 keep-alive client on asyncio streams, because a full HTTP client library costs about as much CPU
-per request as the server does and both share the same cores. Results go to stdout and, with -o, JSON.
+The server runs as a subprocess (`python -m service`, started and stopped by `benchmarks.server`), the load
+generator in this process: the load tester's HTTP client (`benchmarks.loadtest.client`, aiohttp with
+keep-alive connections), whose CPU per request competes with the server's where both share a few cores.
+Results go to stdout and, with -o, JSON.
 """
 
 from __future__ import annotations
@@ -21,104 +22,29 @@ import argparse
 import asyncio
 import contextlib
 import io
-import itertools
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.loadtest.client import Sample, execute, make_session
+from benchmarks.loadtest.stats import percentile
+from benchmarks.loadtest.workloads import JSON, RequestSpec
+from benchmarks.server import running
+from models.demo import DEMO_DIR
+
 SECTIONS = ("overhead", "batching", "generation", "decode", "starvation")
 
 
-# ---- a minimal HTTP/1.1 client -----------------------------------------------------------------------------
-
-
-class Conn:
-    """One keep-alive connection; `request` returns (status, headers, body), `stream` yields chunks."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> Conn:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        return self
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-    def _send(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
-        assert self.writer is not None
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
-
-    async def _head(self) -> tuple[int, dict[str, str]]:
-        assert self.reader is not None
-        status = int((await self.reader.readline()).split()[1])
-        headers: dict[str, str] = {}
-        while True:
-            line = await self.reader.readline()
-            if line in (b"\r\n", b""):
-                return status, headers
-            key, _, value = line.decode().partition(":")
-            headers[key.strip().lower()] = value.strip()
-
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        self._send(method, path, body, headers or {})
-        status, head = await self._head()
-        assert self.reader is not None
-        if "content-length" in head:
-            return status, head, await self.reader.readexactly(int(head["content-length"]))
-        chunks = [c async for c in self._chunks()]
-        return status, head, b"".join(chunks)
-
-    async def _chunks(self) -> Any:
-        assert self.reader is not None
-        while True:
-            size = int((await self.reader.readline()).strip(), 16)
-            if size == 0:
-                await self.reader.readline()
-                return
-            data = await self.reader.readexactly(size)
-            await self.reader.readline()
-            yield data
-
-    async def sse(self, path: str, body: bytes) -> Any:
-        """POST and yield (arrival time, parsed event) for each `data:` event of a chunked SSE response."""
-        self._send("POST", path, body, {"Content-Type": "application/json"})
-        status, _ = await self._head()
-        if status != 200:
-            raise RuntimeError(f"status {status}")
-        buffer = b""
-        async for chunk in self._chunks():
-            buffer += chunk
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                if event.startswith(b"data: "):
-                    yield time.perf_counter(), event[6:]
-
-
-# ---- statistics --------------------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+Make = Callable[[int], RequestSpec]  # request i of a load
 
 
 def ms(seconds: float) -> float:
@@ -126,80 +52,48 @@ def ms(seconds: float) -> float:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"p50_ms": ms(pct(values, 50)), "p90_ms": ms(pct(values, 90)), "p99_ms": ms(pct(values, 99)),
-            "mean_ms": ms(statistics.fmean(values)) if values else float("nan"), "n": len(values)}
+    return {"p50_ms": ms(percentile(values, 50)), "p90_ms": ms(percentile(values, 90)),
+            "p99_ms": ms(percentile(values, 99)), "mean_ms": ms(statistics.fmean(values)) if values else float("nan"),
+            "n": len(values)}
 
 
-# ---- server subprocess ---------------------------------------------------------------------------------------
+def served(*args: str) -> contextlib.AbstractContextManager[str]:
+    """`python -m service ARGS` on a free port; its log goes to a file (a storm's warnings could fill a pipe)."""
+    return running(*args, ready_timeout=180, output=tempfile.TemporaryFile("w+"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ok(sample: Sample) -> Sample:
+    if sample.outcome != "ok":
+        raise RuntimeError(f"request failed: {sample.outcome} (status {sample.status}) {sample.error or ''}")
+    return sample
 
 
-@contextmanager
-def server(*args: str) -> Iterator[int]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-                    if b" 200 " in s.recv(100):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.2)
-        yield port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def closed_loop(port: int, concurrency: int, seconds: float, make: Callable[[int], tuple[str, bytes, dict]],
-                      warmup: float = 1.0) -> dict[str, Any]:
+async def closed_loop(url: str, concurrency: int, seconds: float, make: Make, warmup: float = 1.0) -> dict[str, Any]:
     """`concurrency` clients each sending the next request as soon as the last answered; counts the answers
     that arrived inside the measured window (after `warmup`)."""
-    conns = [await Conn("127.0.0.1", port).open() for _ in range(concurrency)]
-    start = time.perf_counter()
-    begin, end = start + warmup, start + warmup + seconds
     latencies: list[float] = []
-    errors: dict[int, int] = {}
+    errors: dict[str, int] = {}
     done = 0
+    async with make_session(concurrency, timeout_s=300) as session:
+        start = time.perf_counter()
+        begin, end = start + warmup, start + warmup + seconds
 
-    async def client(i: int, conn: Conn) -> None:
-        nonlocal done
-        n = 0
-        while time.perf_counter() < end:
-            path, body, headers = make(i * 1_000_003 + n)
-            n += 1
-            t0 = time.perf_counter()
-            status, _, _ = await conn.request("POST", path, body, headers)
-            t1 = time.perf_counter()
-            if begin <= t1 <= end:  # throughput: every answer inside the window (also those sent before it)
-                if status == 200:
-                    done += 1
-                    if t0 >= begin:  # latency: requests wholly inside the window
-                        latencies.append(t1 - t0)
-                else:
-                    errors[status] = errors.get(status, 0) + 1
+        async def client(i: int) -> None:
+            nonlocal done
+            n = 0
+            while time.perf_counter() < end:
+                sample = await execute(session, url, make(i * 1_000_003 + n), n)
+                n += 1
+                if begin <= sample.done <= end:  # throughput: every answer inside the window (also those sent before)
+                    if sample.outcome == "ok":
+                        done += 1
+                        if sample.sent >= begin:  # latency: requests wholly inside the window
+                            latencies.append(sample.service_time)
+                    else:
+                        key = str(sample.status or sample.outcome)
+                        errors[key] = errors.get(key, 0) + 1
 
-    await asyncio.gather(*(client(i, c) for i, c in enumerate(conns)))
-    for c in conns:
-        c.close()
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
     return {"requests_per_s": done / seconds, "latency": summary(latencies), "errors": errors}
 
 
@@ -209,7 +103,7 @@ async def closed_loop(port: int, concurrency: int, seconds: float, make: Callabl
 def digit_pngs(n: int = 64) -> list[bytes]:
     from PIL import Image
 
-    from models.train_vision import digits_split
+    from models.training.vision import digits_split
 
     _, _, x, _ = digits_split(seed=0)
     out = []
@@ -296,14 +190,12 @@ def direct_with_preprocess(model_path: Path, blobs: list[bytes], batch: int, sec
     return {"images_per_s": images / (time.perf_counter() - t0), "batch": batch}
 
 
-def _raw_request(name: str, blobs: list[bytes], mime: str) -> Callable[[int], tuple[str, bytes, dict]]:
-    def make(i: int) -> tuple[str, bytes, dict]:
-        return f"/v1/models/{name}/classify?top_k=1", blobs[i % len(blobs)], {"Content-Type": mime}
-
-    return make
+def _raw_request(name: str, blobs: list[bytes], mime: str) -> Make:
+    specs = [RequestSpec("POST", f"/v1/models/{name}/classify?top_k=1", b, {"Content-Type": mime}) for b in blobs]
+    return lambda i: specs[i % len(specs)]
 
 
-def _kserve_request(name: str, rows: np.ndarray, per_request: int) -> Callable[[int], tuple[str, bytes, dict]]:
+def _kserve_request(name: str, rows: np.ndarray, per_request: int) -> Make:
     x = np.ascontiguousarray(np.concatenate([rows] * (per_request // len(rows) + 1))[:per_request])
     head = json.dumps({"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": list(x.shape),
                                    "parameters": {"binary_data_size": x.nbytes}}],
@@ -311,30 +203,22 @@ def _kserve_request(name: str, rows: np.ndarray, per_request: int) -> Callable[[
     body = head + x.tobytes()
     headers = {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
 
-    def make(i: int) -> tuple[str, bytes, dict]:
-        return f"/v2/models/{name}/infer", body, headers
-
-    return make
+    spec = RequestSpec("POST", f"/v2/models/{name}/infer", body, headers)
+    return lambda i: spec
 
 
-def single_latency(port: int, make: Callable[[int], tuple[str, bytes, dict]], n: int) -> dict[str, Any]:
+def single_latency(url: str, make: Make, n: int) -> dict[str, Any]:
     """One request at a time, the server idle in between (2 ms pauses): client-side latency and the
     server's own Server-Timing split."""
     async def run() -> tuple[list[float], list[float]]:
-        conn = await Conn("127.0.0.1", port).open()
         total, compute = [], []
-        for i in range(n + 20):
-            path, body, headers = make(i)
-            t0 = time.perf_counter()
-            status, head, _ = await conn.request("POST", path, body, headers)
-            t1 = time.perf_counter()
-            assert status == 200, status
-            if i >= 20:
-                total.append(t1 - t0)
-                timing = dict(p.strip().split(";dur=") for p in head["server-timing"].split(","))
-                compute.append(float(timing["compute"]) / 1000)
-            await asyncio.sleep(0.002)
-        conn.close()
+        async with make_session(1, timeout_s=60) as session:
+            for i in range(n + 20):
+                sample = _ok(await execute(session, url, make(i), i))
+                if i >= 20:
+                    total.append(sample.service_time)
+                    compute.append(sample.server_timing["compute"] / 1000)
+                await asyncio.sleep(0.002)
         return total, compute
 
     total, compute = asyncio.run(run())
@@ -366,7 +250,7 @@ def bench_overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Direct and HTTP measurements alternate in rounds against one running server, so that load from
     anything else on the machine hits both sides alike; each figure is the median over the rounds."""
     out: dict[str, Any] = {}
-    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    demo = DEMO_DIR
     cases = [("digits_multimax", demo, digit_pngs(), "image/png")]
     if not args.quick:
         cases.append(("deit_tiny_multimax", build_deit_tiny(work).parent, photo_jpegs(), "image/jpeg"))
@@ -381,19 +265,19 @@ def bench_overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         res: dict[str, Any] = {"model": name, "max_batch_size": mbs, "rounds": args.rounds,
                                "seconds_per_point": args.seconds, "http_concurrency_single_image": conc,
                                "http_concurrency_kserve": k_conc}
-        with server("--model-dir", str(model_dir), "--models", name, "--max-batch-size", str(mbs)) as port:
-            asyncio.run(closed_loop(port, conc, 1.0, _raw_request(name, blobs, mime), warmup=0.5))
+        with served("--model-dir", str(model_dir), "--models", name, "--max-batch-size", str(mbs)) as url:
+            asyncio.run(closed_loop(url, conc, 1.0, _raw_request(name, blobs, mime), warmup=0.5))
             for _ in range(args.rounds):
                 rounds["direct_batch16"].append(direct(path, rows, mbs, args.seconds)["images_per_s"])
                 rounds["direct_batch16_with_decode"].append(
                     direct_with_preprocess(path, blobs, mbs, args.seconds)["images_per_s"])
-                http = asyncio.run(closed_loop(port, conc, args.seconds, _raw_request(name, blobs, mime)))
+                http = asyncio.run(closed_loop(url, conc, args.seconds, _raw_request(name, blobs, mime)))
                 rounds["http_single_image"].append(http["requests_per_s"])
                 res["http_single_image_last"] = http
-                k = asyncio.run(closed_loop(port, k_conc, args.seconds, _kserve_request(name, rows, mbs)))
+                k = asyncio.run(closed_loop(url, k_conc, args.seconds, _kserve_request(name, rows, mbs)))
                 rounds["http_kserve_batch16"].append(k["requests_per_s"] * mbs)
                 res["http_kserve_batch16_last"] = k
-            res["single_request"] = single_latency(port, _raw_request(name, blobs, mime), args.latency_requests)
+            res["single_request"] = single_latency(url, _raw_request(name, blobs, mime), args.latency_requests)
         res["direct_batch1_latency"] = direct_latency(path, blobs, args.latency_requests, preprocess=False)
         res["direct_batch1_with_decode_latency"] = direct_latency(path, blobs, args.latency_requests, preprocess=True)
         res["images_per_s_rounds"] = rounds
@@ -418,7 +302,7 @@ def bench_overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def bench_batching(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Concurrency 16, single images: dynamic batching (max batch 16; also with a 2 ms queue delay) against
     none (max batch 1). The servers run side by side and the measurements alternate in rounds."""
-    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    demo = DEMO_DIR
     blobs = digit_pngs()
     make = _raw_request("digits_multimax", blobs, "image/png")
     configs = {"batched": ("--max-batch-size", "16"), "batched_delay_2ms": ("--max-batch-size", "16",
@@ -427,11 +311,11 @@ def bench_batching(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"model": "digits_multimax", "concurrency": 16, "rounds": args.rounds}
     rates: dict[str, list[float]] = {k: [] for k in configs}
     with contextlib.ExitStack() as stack:
-        ports = {k: stack.enter_context(server("--model-dir", str(demo), "--models", "digits_multimax", *v))
-                 for k, v in configs.items()}
+        urls = {k: stack.enter_context(served("--model-dir", str(demo), "--models", "digits_multimax", *v))
+                for k, v in configs.items()}
         for _ in range(args.rounds):
-            for label, port in ports.items():
-                r = asyncio.run(closed_loop(port, 16, args.seconds, make))
+            for label, url in urls.items():
+                r = asyncio.run(closed_loop(url, 16, args.seconds, make))
                 rates[label].append(r["requests_per_s"])
                 out[f"{label}_last"] = r
     out["images_per_s_rounds"] = rates
@@ -445,7 +329,15 @@ def bench_batching(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # ---- generation --------------------------------------------------------------------------------------------
 
 
-async def streams(port: int, concurrency: int, seconds: float, max_tokens: int) -> dict[str, Any]:
+def _completion(model: str, prompt: str, max_tokens: int, stream: bool, **extra: Any) -> RequestSpec:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **extra}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return RequestSpec("POST", "/v1/completions", json.dumps(body).encode(), JSON, stream=stream,
+                       max_tokens=max_tokens)
+
+
+async def streams(url: str, concurrency: int, seconds: float, max_tokens: int) -> dict[str, Any]:
     prompts = ["Return the", "If the file", "This module provides", "The default is"]
     ttft: list[float] = []
     itl: list[float] = []
@@ -454,45 +346,34 @@ async def streams(port: int, concurrency: int, seconds: float, max_tokens: int) 
     start = time.perf_counter()
     end = start + seconds
 
-    async def client(i: int) -> None:
+    async def client(session: Any, i: int) -> None:
         nonlocal tokens
-        conn = await Conn("127.0.0.1", port).open()
         n = 0
         while time.perf_counter() < end:
-            body = json.dumps({"model": "text_multimax", "prompt": prompts[(i + n) % len(prompts)],
-                               "max_tokens": max_tokens, "temperature": 0.8, "seed": i * 1000 + n,
-                               "stream": True, "stream_options": {"include_usage": True}}).encode()
+            spec = _completion("text_multimax", prompts[(i + n) % len(prompts)], max_tokens, stream=True,
+                               temperature=0.8, seed=i * 1000 + n)
+            sample = _ok(await execute(session, url, spec, n))
             n += 1
-            t0 = time.perf_counter()
-            last = None
-            async for t, data in conn.sse("/v1/completions", body):
-                if data == b"[DONE]":
-                    continue  # read on to the end of the chunked body: the connection is reused
-                event = json.loads(data)
-                if event["choices"] and event["choices"][0]["text"]:
-                    if last is None:
-                        ttft.append(t - t0)
-                    else:
-                        itl.append(t - last)
-                    last = t
-                if event.get("usage"):
-                    tokens += event["usage"]["completion_tokens"]
-            e2e.append(time.perf_counter() - t0)
-        conn.close()
+            if sample.ttft is not None:
+                ttft.append(sample.ttft)
+            itl.extend(sample.itls or ())
+            tokens += sample.output_tokens
+            e2e.append(sample.service_time)
 
-    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    async with make_session(concurrency, timeout_s=300) as session:
+        await asyncio.gather(*(client(session, i) for i in range(concurrency)))
     wall = time.perf_counter() - start
     return {"concurrency": concurrency, "tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 2),
             "requests": len(e2e), "ttft": summary(ttft), "itl": summary(itl), "e2e": summary(e2e)}
 
 
 def bench_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    demo = DEMO_DIR
     out: dict[str, Any] = {"model": "text_multimax", "max_tokens": args.max_tokens}
-    with server("--model-dir", str(demo), "--models", "text_multimax", "--max-running-sequences", "16") as port:
-        asyncio.run(streams(port, 2, 1.0, 8))  # warm-up
+    with served("--model-dir", str(demo), "--models", "text_multimax", "--max-running-sequences", "16") as url:
+        asyncio.run(streams(url, 2, 1.0, 8))  # warm-up
         for c in (1, 4, 16):
-            out[f"c{c}"] = asyncio.run(streams(port, c, args.seconds, args.max_tokens))
+            out[f"c{c}"] = asyncio.run(streams(url, c, args.seconds, args.max_tokens))
             r = out[f"c{c}"]
             print(json.dumps({f"streams_{c}": {"tokens_per_s": round(r["tokens_per_s"], 1),
                                                "ttft_p50_ms": r["ttft"]["p50_ms"], "itl_p50_ms": r["itl"]["p50_ms"]}}),
@@ -506,58 +387,41 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 STARVATION_MODEL = "text_long"
 
 
-async def _stream_times(port: int, max_tokens: int) -> tuple[list[float], int]:
-    """Arrival times of one greedy stream's SSE events, and how many tokens it generated."""
-    conn = await Conn("127.0.0.1", port).open()
-    body = json.dumps({"model": STARVATION_MODEL, "prompt": "The", "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    times, tokens = [], 0
-    async for t, data in conn.sse("/v1/completions", body):
-        if data == b"[DONE]":
-            continue
-        event = json.loads(data)
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
-        if event["choices"] and event["choices"][0]["text"]:
-            times.append(t)
-    conn.close()
-    return times, tokens
+async def _stream_gaps(session: Any, url: str, max_tokens: int) -> tuple[list[float], int]:
+    """The gaps between one greedy stream's token events, and how many tokens it generated."""
+    sample = _ok(await execute(session, url, _completion(STARVATION_MODEL, "The", max_tokens, stream=True,
+                                                        temperature=0), 0))
+    return sample.itls or [], sample.output_tokens
 
 
-async def _storm(port: int, concurrency: int, until: asyncio.Future[Any]) -> dict[int, int]:
+async def _storm(session: Any, url: str, concurrency: int, until: asyncio.Future[Any]) -> dict[int, int]:
     """`concurrency` keep-alive clients sending completions as fast as answers come back, until `until` is done."""
     statuses: dict[int, int] = {}
-    body = json.dumps({"model": STARVATION_MODEL, "prompt": "storm", "max_tokens": 8}).encode()
+    spec = _completion(STARVATION_MODEL, "storm", 8, stream=False)
 
     async def client() -> None:
-        conn = await Conn("127.0.0.1", port).open()
         while not until.done():
-            status, _, _ = await conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            status = (await execute(session, url, spec, 0)).status
             statuses[status] = statuses.get(status, 0) + 1
-        conn.close()
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return statuses
 
 
-async def _starvation_round(port: int, storm: int, max_tokens: int) -> dict[str, Any]:
+async def _starvation_round(url: str, storm: int, max_tokens: int) -> dict[str, Any]:
     """One measured stream holds the only running slot and a second request the only waiting slot, so every
     request of the storm (if any) is refused with 429 while the measured stream decodes."""
-    measured = asyncio.ensure_future(_stream_times(port, max_tokens))
-    await asyncio.sleep(0.3)
-    conn = await Conn("127.0.0.1", port).open()
-    filler_body = json.dumps({"model": STARVATION_MODEL, "prompt": "filler", "max_tokens": 2}).encode()
-    filler = asyncio.ensure_future(conn.request("POST", "/v1/completions", filler_body,
-                                                {"Content-Type": "application/json"}))
-    await asyncio.sleep(0.1)
-    storm_start = time.perf_counter()
-    statuses = await _storm(port, storm, measured) if storm else {}
-    storm_s = time.perf_counter() - storm_start
-    times, tokens = await measured
-    await filler
-    conn.close()
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    out = {"itl_mean_ms": ms((times[-1] - times[0]) / max(1, tokens - 1)), "event_gap_p90_ms": ms(pct(gaps, 90)),
+    async with make_session(storm + 2, timeout_s=300) as session:
+        measured = asyncio.ensure_future(_stream_gaps(session, url, max_tokens))
+        await asyncio.sleep(0.3)
+        filler = asyncio.ensure_future(execute(session, url, _completion(STARVATION_MODEL, "filler", 2, False), 0))
+        await asyncio.sleep(0.1)
+        storm_start = time.perf_counter()
+        statuses = await _storm(session, url, storm, measured) if storm else {}
+        storm_s = time.perf_counter() - storm_start
+        gaps, tokens = await measured
+        _ok(await filler)
+    out = {"itl_mean_ms": ms(sum(gaps) / max(1, tokens - 1)), "event_gap_p90_ms": ms(percentile(gaps, 90)),
            "tokens": tokens}
     if storm:
         out |= {"storm_statuses": statuses, "rejections_per_s": round(statuses.get(429, 0) / storm_s, 1)}
@@ -574,12 +438,12 @@ def bench_starvation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         old.unlink()
     (model_dir / f"{STARVATION_MODEL}{model_file.suffix}").symlink_to(model_file.resolve())
     rounds = []
-    with server("--model-dir", str(model_dir), "--max-running-sequences", "1", "--max-waiting-sequences", "1",
-                "--intra-op-threads", "1") as port:
-        asyncio.run(_stream_times(port, 8))  # warm-up
+    with served("--model-dir", str(model_dir), "--max-running-sequences", "1", "--max-waiting-sequences", "1",
+                "--intra-op-threads", "1") as url:
+        asyncio.run(_starvation_round(url, 0, 8))  # warm-up
         for _ in range(args.rounds):
-            idle = asyncio.run(_starvation_round(port, 0, args.max_tokens))
-            storm = asyncio.run(_starvation_round(port, args.concurrency, args.max_tokens))
+            idle = asyncio.run(_starvation_round(url, 0, args.max_tokens))
+            storm = asyncio.run(_starvation_round(url, args.concurrency, args.max_tokens))
             row = {"idle": idle, "storm": storm, "ratio_mean": storm["itl_mean_ms"] / idle["itl_mean_ms"],
                    "ratio_p90": storm["event_gap_p90_ms"] / idle["event_gap_p90_ms"]}
             rounds.append(row)
@@ -673,7 +537,7 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per load point")
@@ -692,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"environment": environment(), "command": " ".join(["python -m service.bench",
+    results: dict[str, Any] = {"environment": environment(), "command": " ".join(["python -m benchmarks.serving",
                                                                                  *(argv or sys.argv[1:])])}
     runners = {"overhead": bench_overhead, "batching": bench_batching, "generation": bench_generation,
                "decode": bench_decode, "starvation": bench_starvation}

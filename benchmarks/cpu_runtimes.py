@@ -1,4 +1,4 @@
-"""`python -m export.bench_cpu`: MultiMax DeiT-small on the CPU with the fused onnxruntime ops (plugins.ort_ops).
+"""`python -m benchmarks.cpu_runtimes`: MultiMax DeiT-small on the CPU with the fused onnxruntime ops (plugins.ort_ops).
 
 1. overhead: MultiMax DeiT-small (paper parameters, attention + output) vs its softmax twin in onnxruntime,
    with the fused ops and with the function bodies, batch 1 and 8 (interleaved rounds, median of
@@ -31,7 +31,7 @@ import onnx.inliner
 import onnxruntime as ort
 import torch
 
-from export.bench import interleaved, make_checkpoints, timing_tables, write_results
+from benchmarks.export_time import interleaved, make_checkpoints, timing_tables, write_results
 from export.cli import main as export_main
 from export.validate import cpu_session
 from models.checkpoint import load
@@ -164,7 +164,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.bench_cpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_runtimes", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=20, help="interleaved rounds per comparison")
     p.add_argument("--profile-runs", type=int, default=20, help="profiled runs per model and batch")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     load1 = os.getloadavg()[0]
     results: dict[str, Any] = {
         "date": date.today().isoformat(),
-        "command": "python -m export.bench_cpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.cpu_runtimes " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, load average {load1:.1f} "
         f"at the start, onnxruntime {ort.__version__} (fused ops: {ort_ops.kernel_path()}), torch {torch.__version__}",
     }

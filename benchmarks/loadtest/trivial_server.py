@@ -2,7 +2,7 @@
 generator itself: it answers every request with a fixed small JSON body and a Server-Timing header, and serves
 a one-counter Prometheus page at /metrics. It stops by itself after --duration seconds.
 
-    python -m service.loadtest.trivial_server --port 8099 --duration 60
+    python -m benchmarks.loadtest.trivial_server --port 8099 --duration 60
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ async def serve(host: str, port: int, duration_s: float, ready: asyncio.Event | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.loadtest.trivial_server")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest.trivial_server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8099)
     p.add_argument("--duration", type=float, default=300.0, help="exit after S seconds (default %(default)s)")

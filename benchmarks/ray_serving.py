@@ -1,12 +1,12 @@
-"""`python -m service.ray.bench`: `python -m service` against Ray Serve at 1 and 2 replicas, same models and
-options, measured side by side with the project's load tester (service.loadtest).
+"""`python -m benchmarks.ray_serving`: `python -m service` against Ray Serve at 1 and 2 replicas, same models and
+options, measured side by side with the project's load tester (benchmarks.loadtest).
 
 The single process and the Ray deployment run at the same time; each round measures every server on every
 workload, in a rotating order, and the Ray deployment is rescaled between its 1- and 2-replica turns (not
 measured). Reported: throughput and latency percentiles per server, and per-round ratios to the single process
 (median over rounds). A concurrency-1 workload gives the proxy's added latency per request.
 
-    python -m service.ray.bench --netns --model-dir /tmp/models --models digits_multimax,deit_tiny \\
+    python -m benchmarks.ray_serving --netns --model-dir /tmp/models --models digits_multimax,deit_tiny \\
         --workload classify:deit_tiny:16 --workload classify:digits_multimax:32 \\
         --workload classify:digits_multimax:1 --seconds 10 --rounds 3 -o ray_bench.json
 """
@@ -17,30 +17,26 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.runner import run_async, run_coroutine
+from benchmarks.netns import loopback_namespace
+from benchmarks.server import free_port, start, stop, wait_ready
 from service.config import Settings
-from service.loadtest.config import LoadConfig
-from service.loadtest.runner import run_async, run_coroutine
-from service.ray.netns import loopback_namespace
 from service.ray.options import PROXIES, ScaleOptions
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("single", "ray-1", "ray-2")
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str  # service.loadtest workload: classify, infer, generate
+    kind: str  # benchmarks.loadtest workload: classify, infer, generate
     model: str
     concurrency: int
 
@@ -55,22 +51,6 @@ class Workload:
     @property
     def label(self) -> str:
         return f"{self.kind} {self.model} c={self.concurrency}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def _measure(url: str, w: Workload, seconds: float, warmup: float) -> dict[str, Any]:
@@ -89,7 +69,7 @@ def _ratios(rounds: list[dict[str, dict[str, dict[str, Any]]]], label: str, serv
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.ray.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ray_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=None, help="models to serve (default: the demo models)")
     p.add_argument("--models", default="", help="comma-separated model names (default: all)")
     p.add_argument("--workload", type=Workload.parse, action="append", required=True,
@@ -114,14 +94,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from service.ray.app import build_app
 
-    service_args = ["--log-level", "warning"]
+    service_args: list[str] = []
     if args.model_dir is not None:
         service_args += ["--model-dir", str(args.model_dir)]
     if args.models:
         service_args += ["--models", args.models]
-    single_port, ray_port = _free_port(), _free_port()
-    single = subprocess.Popen([sys.executable, "-m", "service", "--port", str(single_port), *service_args], cwd=ROOT)
-    urls = {"single": f"http://127.0.0.1:{single_port}"}
+    ray_port = free_port()
+    single, single_url = start(*service_args, output=None)  # its log on this terminal
+    urls = {"single": single_url}
     urls["ray-1"] = urls["ray-2"] = f"http://127.0.0.1:{ray_port}"
     settings = Settings(port=ray_port, log_level="warning",
                         **({"model_dir": args.model_dir} if args.model_dir is not None else {}),
@@ -130,7 +110,6 @@ def _run(args: argparse.Namespace) -> int:
     rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": ray_port})
-        _wait_ready(urls["single"], 120)
         deployed = 0
         for i in range(args.rounds):
             order = SERVERS[i % 3:] + SERVERS[:i % 3]  # rotate: no server always goes first or last
@@ -141,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                     if replicas != deployed:
                         t0 = time.perf_counter()
                         serve.run(build_app(settings, ScaleOptions(replicas=replicas)), name="bench", route_prefix="/")
-                        _wait_ready(urls[server], 120)
+                        wait_ready(urls[server], timeout=120)
                         print(f"[round {i + 1}] deployed {replicas} replica(s) in {time.perf_counter() - t0:.1f} s",
                               file=sys.stderr)
                         deployed = replicas
@@ -152,8 +131,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"p99 {m['p99_ms']:.2f} ms errors {m['errors']}", file=sys.stderr, flush=True)
             rounds.append(result)
     finally:
-        single.terminate()
-        single.wait(timeout=60)
+        stop(single, timeout=60)
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()

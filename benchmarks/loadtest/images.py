@@ -6,7 +6,7 @@ import io
 import random
 from pathlib import Path
 
-from service.loadtest.config import ConfigError
+from benchmarks.loadtest.config import ConfigError
 
 CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 

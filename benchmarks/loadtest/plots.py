@@ -11,7 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from service.loadtest.stats import Result
+from benchmarks.loadtest.stats import Result
 
 CURVES = ("p50", "p90", "p99", "p99.9")
 

@@ -8,15 +8,13 @@ buckets the way PromQL's histogram_quantile does), and every gauge that moved as
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 Labels = tuple[tuple[str, str], ...]
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_gcount", "_gsum")
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 @dataclass
@@ -35,35 +33,41 @@ class Snapshot:
         return sample_name, ""
 
 
-def _labels(text: str | None) -> Labels:
-    if not text:
-        return ()
-    inner = text[1:-1]
-    pairs = [(m.group(1), re.sub(r'\\[\\"n]', lambda e: _UNESCAPE[e.group(0)], m.group(2)))
-             for m in _LABEL.finditer(inner)]
-    return tuple(sorted(pairs))
-
-
 def parse_metrics(text: str) -> Snapshot:
+    """A /metrics page (Prometheus text format), parsed by prometheus_client. Lines it rejects are left out
+    instead of failing the page: this is reporting, not validation."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception:  # the parser raises ValueError, and on some garbage IndexError/KeyError
+        families = list(text_string_to_metric_families(_parsable(text)))
     snap = Snapshot()
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 4 and parts[1] == "TYPE":
-                snap.types[parts[2]] = parts[3].strip().lower()
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue  # tolerate what we do not understand: this is reporting, not validation
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        snap.samples[(m.group(1), _labels(m.group(2)))] = value
+    for family in families:
+        if family.type != "unknown":  # undeclared (or untyped) families are typed by their suffix in the diff
+            snap.types[family.name] = family.type
+        for sample in family.samples:
+            snap.samples[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return snap
+
+
+def _parsable(text: str) -> str:
+    good = []
+    for line in text.splitlines():
+        try:
+            list(text_string_to_metric_families(line + "\n"))
+        except Exception:
+            continue
+        good.append(line)
+    return "\n".join(good) + "\n"
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample `name` whose labels include `labels`, from a /metrics page; KeyError if there
+    is none or more than one."""
+    found = [value for (sample, have), value in parse_metrics(text).samples.items()
+             if sample == name and labels.items() <= dict(have).items()]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} samples {name}{labels} on the page")
+    return found[0]
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:

@@ -1,7 +1,7 @@
 """How many requests/s the load generator itself sustains: it drives a trivial server on loopback, with the
 server pinned to one core and the generator to another, and reports who ran out of CPU.
 
-    python -m service.loadtest.selfbench --duration 10 --rates 2000,3000 --concurrency 64 --out runs/selfbench
+    python -m benchmarks.loadtest.selfbench --duration 10 --rates 2000,3000 --concurrency 64 --out runs/selfbench
 
 Rows: a closed loop (the generator's top rate against this server) and open loops at fixed rates (does it
 keep the schedule?). CPU % is of one core: the generator from getrusage, the server from /proc/<pid>/stat,
@@ -17,7 +17,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from service.loadtest.config import LoadConfig
-from service.loadtest.runner import run_async, run_coroutine
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.runner import run_async, run_coroutine
+from benchmarks.server import start, stop
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -45,22 +45,6 @@ def _core_busy_s(core: int | None) -> float:
             values = [int(v) for v in fields[1:9]]
             return (sum(values) - values[3] - values[4]) / CLK_TCK  # minus idle and iowait
     return 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"trivial server did not listen on {port}")
 
 
 def _verdict(row: dict[str, Any]) -> str:
@@ -130,7 +114,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.loadtest.selfbench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest.selfbench", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per row (default %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop row (default %(default)s)")
@@ -146,18 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         print("uvloop is not installed: asyncio only", file=sys.stderr)
         loops = [n for n in loops if n != "uvloop"]
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
-    port = _free_port()
     budget = (args.duration + args.warmup + 5) * (1 + len(rates)) * len(loops) + 30
-    cmd = [sys.executable, "-m", "service.loadtest.trivial_server", "--port", str(port), "--duration", f"{budget:g}"]
+    cmd = [sys.executable, "-m", "benchmarks.loadtest.trivial_server"]
     if pin:
         cmd = ["taskset", "-c", str(args.server_cpu), *cmd]
         os.sched_setaffinity(0, {args.generator_cpu})
-    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server, url = start("--duration", f"{budget:g}", command=cmd, ready_timeout=20, output=subprocess.DEVNULL)
     rows: list[dict[str, Any]] = []
     try:
-        _wait_port(port)
-        base = LoadConfig(url=f"http://127.0.0.1:{port}", workload="infer", model="trivial",
+        base = LoadConfig(url=url, workload="infer", model="trivial",
                           duration_s=args.duration, warmup_s=args.warmup, scrape_metrics=False)
         configs = [replace(base, concurrency=args.concurrency)] + [replace(base, rate=r) for r in rates]
         cores = (args.generator_cpu, args.server_cpu) if pin else (None, None)
@@ -168,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        server.terminate()
-        server.wait(10)
+        stop(server, 10)
     info = {"pinned": pin, "server_cpu": args.server_cpu if pin else None,
             "generator_cpu": args.generator_cpu if pin else None, "cpus": os.cpu_count(),
             "loadavg_after": os.getloadavg(), "python": sys.version.split()[0]}

@@ -1,4 +1,4 @@
-"""`python -m export.bench`: export and inference speed of MultiMax models, measured side by side.
+"""`python -m benchmarks.export_time`: export and inference speed of MultiMax models, measured side by side.
 
 Every comparison runs its contenders interleaved, round after round, in one process, and reports the
 median of per-round ratios, so a busy shared machine slows both sides alike. Sections:
@@ -183,7 +183,7 @@ def bench_fusion(mm: Path, sm: Path, tmp: Path, rounds: int) -> dict[str, Any]:
 
 def bench_precision(tmp: Path) -> dict[str, Any]:
     """Held-out digits accuracy of the fp32 / fp16 / int8 exports of the MultiMax demo model."""
-    from models.train_vision import digits_split, normalize
+    from models.training.vision import digits_split, normalize
 
     _, _, images, labels = digits_split()
     x = normalize(images).numpy()
@@ -262,7 +262,7 @@ SECTIONS = ("export", "overhead", "compiled_overhead", "runtimes", "fusion", "pr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.export_time", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per comparison")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("-o", "--output", default="runs/bench_export.json")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     results: dict[str, Any] = {
         "date": date.today().isoformat(),
-        "command": "python -m export.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.export_time " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{torch.get_num_threads()} threads, onnxruntime {ort.__version__}, torch {torch.__version__}",
     }
     with tempfile.TemporaryDirectory(prefix="multimax-bench.") as tmp_name:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from service.loadtest.client import Sample
-from service.loadtest.stats import PERCENTILES, Result, pct_key
-from service.loadtest.sweep import SweepResult
+from benchmarks.loadtest.client import Sample
+from benchmarks.loadtest.stats import PERCENTILES, Result, pct_key
+from benchmarks.loadtest.sweep import SweepResult
 
 # Latencies in microseconds, as perf_analyzer writes them. Columns perf_analyzer has keep its names
 # (Concurrency, Request Rate, Inferences/Second, Server Queue, Server Compute Infer, pXX latency, Avg latency).
@@ -146,7 +146,7 @@ def _metrics_lines(delta: dict[str, Any] | None, limit: int = 8) -> list[str]:
 
 def summary(r: Result) -> str:
     cfg = r.config
-    out = [f"service.loadtest: {cfg['workload']} {cfg['model']} at {cfg['url']}", f"load       {_load_text(r)}"]
+    out = [f"benchmarks.loadtest: {cfg['workload']} {cfg['model']} at {cfg['url']}", f"load       {_load_text(r)}"]
     errs = ", ".join(f"{k} {v}" for k, v in r.errors.items())
     out.append(f"requests   {r.sent} sent, {r.ok} ok, {r.error_count} failed ({errs})")
     for cls, example in r.error_examples.items():

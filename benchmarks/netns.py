@@ -4,7 +4,7 @@ Ray binds its services to the machine's network address; inside a namespace that
 is 127.0.0.1 and nothing can leave the machine. `loopback_namespace()` moves the calling thread into a new one
 (setns), so the processes it starts and the sockets it opens live there, and on exit moves it back, kills
 whatever still runs in the namespace (only what this thread started can) and deletes it. Needs root and `ip`
-(iproute2); Linux only. Used by the Ray tests and `python -m service.ray.bench --netns`.
+(iproute2); Linux only. Used by the Ray tests and `python -m benchmarks.ray_serving --netns`.
 """
 
 from __future__ import annotations

@@ -5,18 +5,24 @@ from __future__ import annotations
 import statistics
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
-from service.loadtest.client import ERROR_CLASSES, Sample
-from service.loadtest.config import LoadConfig
-from service.loadtest.servertiming import parse_server_timing
+from benchmarks.loadtest.client import ERROR_CLASSES, Sample
+from benchmarks.loadtest.config import LoadConfig
+from benchmarks.loadtest.servertiming import parse_server_timing
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, linearly interpolated as numpy's default; nan for no values.
+    (The run's own latencies use the HDR histograms below; this is for short lists: progress, benchmarks.)"""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 def pct_key(p: float) -> str:

@@ -1,6 +1,6 @@
 """The demo models: what they are, how they are rebuilt, and a short demonstration with them.
 
-They ship in `models/demo/` (a few MB, produced by `python -m models train demos`), so a fresh
+They ship in `models/demo/` (a few MB, produced by `python -m models.training train demos`), so a fresh
 machine reaches a real prediction without training; the same command rebuilds them bit for bit
 from the seed on the same software versions.
 """
@@ -15,12 +15,8 @@ from typing import Any
 import torch
 
 from models.checkpoint import Checkpoint, save_checkpoint
+from models.demo import DEMO_DIR, DEMO_FILES, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-VISION_MULTIMAX = "digits_multimax.pt"
-VISION_SOFTMAX = "digits_softmax.pt"
-TEXT_MULTIMAX = "text_multimax.pt"
-DEMO_FILES = (VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX)
 TEXT_PROMPTS = ("Return the", "If the file", "This module provides")
 
 
@@ -55,9 +51,9 @@ def build_demos(out_dir: Path, seed: int = 0, progress: bool = True,
                 kinds: tuple[str, ...] = ("vision", "text")) -> dict[str, Any]:
     """Train the demo models of `kinds` and write them into `out_dir`, with report.json (entries of the kinds not
     retrained are kept)."""
-    from models.fingerprint import training_fingerprint
-    from models.train_text import train_text
-    from models.train_vision import train_vision
+    from models.training.fingerprint import training_fingerprint
+    from models.training.text import train_text
+    from models.training.vision import train_vision
 
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.json"
@@ -92,7 +88,7 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     from models.checkpoint import load
     from models.gpt import generate
     from models.tokenizer import ByteTokenizer
-    from models.train_vision import accuracy, digits_split, normalize
+    from models.training.vision import accuracy, digits_split, normalize
 
     ensure_demos(demo_dir, rebuild)
     _, _, x_test, y_test = digits_split(seed=0)

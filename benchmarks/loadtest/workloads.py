@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from service.loadtest.config import ConfigError, LoadConfig
-from service.loadtest.images import generate_images, load_images
+from benchmarks.loadtest.config import ConfigError, LoadConfig
+from benchmarks.loadtest.images import generate_images, load_images
 
 JSON = {"Content-Type": "application/json"}
 

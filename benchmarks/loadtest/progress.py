@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from benchmarks.loadtest.stats import percentile
+
 
 @dataclass
 class LiveState:
@@ -46,10 +48,6 @@ def _columns(stream: TextIO) -> int:
         return 0
 
 
-def _pct(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 class Progress:
     """Shows one phase at a time. `total` is seconds (duration bound) or requests (count bound)."""
 
@@ -74,10 +72,10 @@ class Progress:
                 now = time.perf_counter()
                 rate = (state.done - last_done) / max(now - last_t, 1e-9)
                 last_done, last_t = state.done, now
-                recent = sorted(state.recent_ms)
+                recent = list(state.recent_ms)
                 text = (f"{now - start:6.1f}s sent {state.sent} ok {state.ok} err {state.errors} "
-                        f"in-flight {state.in_flight} | {rate:8.1f} req/s | p50 {_pct(recent, 0.5):.1f} ms "
-                        f"p99 {_pct(recent, 0.99):.1f} ms")
+                        f"in-flight {state.in_flight} | {rate:8.1f} req/s | p50 {percentile(recent, 50):.1f} ms "
+                        f"p99 {percentile(recent, 99):.1f} ms")
                 if bar is not None:
                     bar.n = min(state.sent if by_count else now - start, total)
                     bar.set_description_str(f"{label} {text}", refresh=True)

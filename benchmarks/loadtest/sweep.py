@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.loadtest.config import ConfigError, LoadConfig
-from service.loadtest.progress import Progress
-from service.loadtest.runner import run_async, run_coroutine
-from service.loadtest.stats import Result
+from benchmarks.loadtest.config import ConfigError, LoadConfig
+from benchmarks.loadtest.progress import Progress
+from benchmarks.loadtest.runner import run_async, run_coroutine
+from benchmarks.loadtest.stats import Result
 
 MAX_ERRORS = 0.01
 SCALING_BELOW = 0.10

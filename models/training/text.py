@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .gpt import GPT, GPTConfig, generate
-from .tokenizer import ByteTokenizer
+from models.gpt import GPT, GPTConfig, generate
+from models.tokenizer import ByteTokenizer
 
 # Tests and vendored packages are skipped: repetitive, and not part of every install.
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.loadtest.cli import main
+
+sys.exit(main())

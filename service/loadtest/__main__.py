@@ -1,5 +1,0 @@
-import sys
-
-from service.loadtest.cli import main
-
-sys.exit(main())
