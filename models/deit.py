@@ -26,6 +26,18 @@ from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, modulate, 
 Pool = Literal["avg", "token"]
 
 
+# timm/DeiT evaluation preprocessing: resize the shorter side to 224/0.875, center crop 224.
+IMAGENET_PREPROCESS: dict[str, Any] = {
+    "channels": "RGB",
+    "image_size": 224,
+    "resize": 256,
+    "interpolation": "bicubic",
+    "crop": "center",
+    "mean": [0.485, 0.456, 0.406],
+    "std": [0.229, 0.224, 0.225],
+}
+
+
 @dataclass
 class DeiTConfig:
     img_size: int = 224

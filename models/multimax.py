@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
+
 Variant = Literal["second", "first", "v2"]
 VARIANTS: tuple[str, ...] = ("second", "first", "v2")
 
@@ -165,10 +167,6 @@ def attention_probs(
 # The exporter traces with fake tensors, so the learned parameters are read to Python floats first
 # and written as node attributes (what the TensorRT plugin and the ONNX function body consume).
 
-ONNX_DOMAIN = "multimax"
-# TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
-# read the attribute, and `plugin_namespace` names the plugin's namespace for parsers that look it up.
-PLUGIN_VERSION = "1"
 
 
 def _export_attrs(owner: nn.Module, order: int, op: str) -> dict[str, object] | None:

@@ -181,7 +181,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
     graph = helper.make_graph(nodes, "multimax_selftest", [x_info, m_info], outs)
     opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
     try:  # the exporter's function bodies: the engine must still use the plugins
-        from export.onnx_functions import function_protos
+        from plugins.onnx_functions import function_protos
 
         functions = function_protos(18)
     except ImportError:

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from service import classify, kserve, openai_api
 from service.config import Settings
 from service.docs import install_docs
-from service.errors import install_handlers
+from service.handlers import install_handlers
 from service.metrics import Metrics
 from service.middleware import BodyLimit, GraceExpiry, ServerTiming
 from service.registry import load_models

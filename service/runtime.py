@@ -11,10 +11,10 @@ import numpy as np
 from models.tokenizer import ByteTokenizer
 from service.batcher import DynamicBatcher
 from service.config import Settings
+from service.entry import ModelEntry
 from service.errors import ServiceError
 from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
-from service.registry import ModelEntry
 from service.vision import Preprocess
 
 log = logging.getLogger("service")

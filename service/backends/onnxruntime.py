@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,23 +9,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from models.onnx_contract import LOGITS, PIXEL_VALUES, past_names, present_names, read_metadata, text_feeds
 from plugins import ort_ops
 from service.backends.base import Backend, BackendUnavailable, Past
 from service.backends.probe import onnxruntime_providers
 
 log = logging.getLogger("service")
-
-
-def read_metadata(session: ort.InferenceSession) -> dict[str, Any]:
-    """The exporter's `multimax.*` metadata_props, JSON-decoded, without the prefix."""
-    out: dict[str, Any] = {}
-    for key, value in session.get_modelmeta().custom_metadata_map.items():
-        if key.startswith("multimax."):
-            try:
-                out[key.removeprefix("multimax.")] = json.loads(value)
-            except json.JSONDecodeError:
-                out[key.removeprefix("multimax.")] = value
-    return out
 
 
 def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
@@ -80,16 +68,16 @@ class OnnxRuntimeBackend(Backend):
         self.gpu = self.provider != "CPUExecutionProvider"
         if why and not providers:
             log.info("%s: %s (%s)", path.name, self.provider, why)
-        self.metadata = read_metadata(self.session)
-        self.arch = str(self.metadata.get("arch", ""))
+        self.metadata = read_metadata(self.session.get_modelmeta().custom_metadata_map)
+        self.arch = self.metadata.arch or ""
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         if self.arch == "gpt":
-            cfg = self.metadata.get("config") or {}
+            cfg = self.metadata.config
             self.n_layer, self.n_head = int(cfg["n_layer"]), int(cfg["n_head"])
             self.head_dim = int(cfg["n_embd"]) // self.n_head
-            self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.n_layer)]
-            self.present_names = [n for i in range(self.n_layer) for n in (f"present.{i}.key", f"present.{i}.value")]
+            self.past_names = past_names(self.n_layer)
+            self.present_names = present_names(self.n_layer)
             missing = [n for pair in self.past_names for n in pair if n not in self.input_names]
             if missing:
                 raise BackendUnavailable(f"{path.name}: text model without KV-cache inputs ({missing[0]} missing)")
@@ -109,15 +97,14 @@ class OnnxRuntimeBackend(Backend):
         return binding.copy_outputs_to_cpu()
 
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        return self._run({"pixel_values": pixel_values}, ["logits"])[0]
+        return self._run({PIXEL_VALUES: pixel_values}, [LOGITS])[0]
 
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
     ) -> tuple[np.ndarray, Past]:
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        for (k_name, v_name), (k, v) in zip(self.past_names, past, strict=True):
-            feeds[k_name], feeds[v_name] = k, v
-        out = self._run(feeds, ["logits", *self.present_names])
+        if len(past) != self.n_layer:
+            raise ValueError(f"past of {len(past)} layers for a model of {self.n_layer}")
+        out = self._run(text_feeds(input_ids, attention_mask, position_ids, past), [LOGITS, *self.present_names])
         return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.n_layer)]
 
     def empty_past(self, batch: int) -> Past:
