@@ -15,7 +15,8 @@ from torch import nn
 from export.fused_check import compare_fused, cpu_session
 from export.progress import Phases
 from models import onnx_contract as contract
-from models.gpt import generate
+from models import registry
+from models.generate import generate
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 
 LOGITS_ATOL = 1e-4
@@ -48,7 +49,7 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain]
-    problems = _text_problems(inputs, outputs) if arch == "gpt" else _vision_problems(inputs, outputs)
+    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs)
     return {
         "checker": "passed (full_check)",
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -84,6 +85,9 @@ def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[st
         if not isinstance(dim, str):
             problems.append(f"{name}: axis fixed at {dim}, expected a named dynamic axis")
     return problems
+
+
+_GRAPH_PROBLEMS = {registry.VISION: _vision_problems, registry.TEXT: _text_problems}
 
 
 def _stats(diffs: list[np.ndarray], rels: list[np.ndarray]) -> dict[str, float]:

@@ -90,7 +90,7 @@ def ensure_demos(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> Path:
 
 def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     from models.checkpoint import load
-    from models.gpt import generate
+    from models.generate import generate
     from models.tokenizer import ByteTokenizer
     from models.train_vision import accuracy, digits_split, normalize
 

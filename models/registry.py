@@ -83,6 +83,12 @@ def task_of(name: str) -> Task:
     return get(name).task
 
 
+def task_or_none(name: str | None) -> Task | None:
+    """The task of `name`, None for an unknown architecture (the caller says what it does with that)."""
+    arch = _REGISTRY.get(name or "")
+    return arch.task if arch is not None else None
+
+
 def for_preset(preset: str) -> Architecture | None:
     """The architecture that has a preset of this name."""
     return next((a for a in _REGISTRY.values() if preset in a.presets), None)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .gpt import GPT, GPTConfig, generate
+from .generate import generate
+from .gpt import GPT, GPTConfig
 from .tokenizer import ByteTokenizer
 
 # Tests and vendored packages are skipped: repetitive, and not part of every install.

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from service.endpoint import count_refused
 from service.errors import ServiceError, error_response
-from service.lifecycle import count_refused
 
 log = logging.getLogger("service")
 
@@ -58,7 +58,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
-        count_refused(request.app, request.url.path, 400)
+        count_refused(request.app, request.scope, 400)
         return error_response(request.url.path, 400, message, code="invalid_value", param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -66,7 +66,7 @@ def install_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         code = {413: "body_too_large", 408: "body_timeout", 499: "client_disconnected"}.get(exc.status_code)
         if exc.status_code != 404 and not getattr(exc, "counted", False):
-            count_refused(request.app, request.url.path, exc.status_code)  # refused before the endpoint ran
+            count_refused(request.app, request.scope, exc.status_code)  # refused before the endpoint ran
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         headers = dict(exc.headers) if exc.headers else None

@@ -10,6 +10,7 @@ run between decode steps. Errors are `{"error": "<message>"}` with a 4xx status.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from typing import Any
 
@@ -17,10 +18,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES
+from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, error_responses
 from service.jsonio import NonFiniteOutput, check_size, dumps, loads, non_finite_error
-from service.lifecycle import deadline, tracked, unless_disconnected
-from service.runtime import ModelRuntime, Runtimes
+from service.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
@@ -86,15 +88,12 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def io_spec(rt: ModelRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    cfg = rt.entry.config
-    if rt.task == "image-classification":
-        assert rt.preprocess is not None
-        classes = len(rt.entry.labels or [])
-        return ([{"name": "pixel_values", "datatype": "FP32", "shape": [-1, *rt.preprocess.shape]}],
-                [{"name": "logits", "datatype": "FP32", "shape": [-1, classes]}])
-    return ([{"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]},
-             {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1], "optional": True}],
-            [{"name": "logits", "datatype": "FP32", "shape": [-1, -1, int(cfg["vocab_size"])]}])
+    if isinstance(rt, VisionRuntime):
+        return ([{"name": PIXEL_VALUES, "datatype": "FP32", "shape": [-1, *rt.preprocess.shape]}],
+                [{"name": LOGITS, "datatype": "FP32", "shape": [-1, len(rt.labels)]}])
+    return ([{"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
+             {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1], "optional": True}],
+            [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, int(rt.entry.config["vocab_size"])]}])
 
 
 def _model(request: Request, name: str, version: str | None) -> ModelRuntime:
@@ -207,7 +206,7 @@ async def model_config(name: str, request: Request, version: str | None = None) 
         "input": [triton(t) for t in inputs], "output": [triton(t) for t in outputs],
         "parameters": {"task": {"string_value": rt.task}, "provider": {"string_value": rt.entry.backend.provider}},
     }
-    if rt.task == "image-classification":
+    if isinstance(rt, VisionRuntime):
         config["dynamic_batching"] = {"max_queue_delay_microseconds": int(settings.max_queue_delay_ms * 1000),
                                       "default_queue_policy": {"max_queue_size": settings.max_queue_size}}
     return _json(config)
@@ -377,28 +376,28 @@ def _exact(tensors: dict[str, np.ndarray], name: str, datatype: str) -> np.ndarr
     return t
 
 
-def vision_rows(rt: ModelRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> np.ndarray:
-    assert rt.preprocess is not None
-    extra = sorted(set(tensors) - {"pixel_values"})
+def vision_rows(rt: VisionRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> np.ndarray:
+    extra = sorted(set(tensors) - {PIXEL_VALUES})
     if extra:
-        raise bad(f"unknown input(s) {', '.join(extra)} (model takes pixel_values)")
-    x = _exact(tensors, "pixel_values", "FP32")
+        raise bad(f"unknown input(s) {', '.join(extra)} (model takes {PIXEL_VALUES})")
+    x = _exact(tensors, PIXEL_VALUES, "FP32")
     want = rt.preprocess.shape
     if x.ndim != 4 or tuple(x.shape[1:]) != want or x.shape[0] < 1:
-        raise bad(f"input pixel_values: shape {list(x.shape)}, expected [n, {', '.join(map(str, want))}] with n >= 1")
+        raise bad(f"input {PIXEL_VALUES}: shape {list(x.shape)}, expected [n, {', '.join(map(str, want))}] "
+                  "with n >= 1")
     if x.shape[0] > max_batch:
-        raise bad(f"input pixel_values: batch {x.shape[0]} exceeds max_batch_size {max_batch}")
+        raise bad(f"input {PIXEL_VALUES}: batch {x.shape[0]} exceeds max_batch_size {max_batch}")
     if not np.isfinite(x).all():
-        raise bad("input pixel_values holds NaN or Inf")
+        raise bad(f"input {PIXEL_VALUES} holds NaN or Inf")
     return np.ascontiguousarray(x)
 
 
-def text_inputs(rt: ModelRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    extra = sorted(set(tensors) - {"input_ids", "attention_mask"})
+def text_inputs(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    extra = sorted(set(tensors) - {INPUT_IDS, ATTENTION_MASK})
     if extra:
-        raise bad(f"unknown input(s) {', '.join(extra)} (model takes input_ids, attention_mask)")
-    ids = _exact(tensors, "input_ids", "INT64")
-    context, vocab = int(rt.entry.config["block_size"]), int(rt.entry.config["vocab_size"])
+        raise bad(f"unknown input(s) {', '.join(extra)} (model takes {INPUT_IDS}, {ATTENTION_MASK})")
+    ids = _exact(tensors, INPUT_IDS, "INT64")
+    context, vocab = rt.context_length, int(rt.entry.config["vocab_size"])
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
         raise bad(f"input input_ids: shape {list(ids.shape)}, expected [n, T] with n, T >= 1")
     if ids.shape[0] > max_batch:
@@ -407,8 +406,8 @@ def text_inputs(rt: ModelRuntime, tensors: dict[str, np.ndarray], max_batch: int
         raise bad(f"input input_ids: {ids.shape[1]} tokens exceed the context of {context}")
     if ids.min() < 0 or ids.max() >= vocab:
         raise bad(f"input input_ids: token ids must be in 0..{vocab - 1}")
-    if "attention_mask" in tensors:
-        mask = _exact(tensors, "attention_mask", "INT64")
+    if ATTENTION_MASK in tensors:
+        mask = _exact(tensors, ATTENTION_MASK, "INT64")
         if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
             raise bad("input attention_mask: must be 0/1 with the shape of input_ids")
         if not mask[:, -1].all():
@@ -490,52 +489,46 @@ def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str,
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
              responses=error_responses(True, MODEL_CALL),
              summary="Inference on one version")
+@model_endpoint("infer")
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
-    runtimes: Runtimes = request.app.state.runtimes
-    settings = runtimes.settings
-    async with tracked(runtimes.metrics, runtimes.label(name), "infer"):
+    async with model_call(request, name) as call:
+        settings = call.settings
         rt = _model(request, name, version)
-        if rt.batcher is not None:  # a request that will get 429 is refused before its body is read
+        if isinstance(rt, VisionRuntime):  # a request that will get 429 is refused before its body is read
             rt.batcher.check_room()
-        if rt.scheduler is not None:
+        else:
             rt.scheduler.check_exclusive_room()
         header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
         tensors = decode_tensors(header, binary, settings.max_body_bytes)
         params = header.get("parameters") or {}
         timeout_us = params.get("timeout") if isinstance(params, dict) else None
         requested = timeout_us / 1e6 if isinstance(timeout_us, (int, float)) and timeout_us > 0 else None
-        if rt.task == "image-classification":
+        if isinstance(rt, VisionRuntime):
             rows = vision_rows(rt, tensors, settings.max_batch_size)
-            assert rt.batcher is not None
-            future = rt.batcher.enqueue(rows, deadline(settings.request_timeout_s, requested))
+            future = rt.batcher.enqueue(rows, call.deadline(requested))
             try:
-                result = await unless_disconnected(request, future)
+                result = await call.wait(future)
             finally:
                 future.cancel()
-            request.state.timing.set(result.queue_s, result.compute_s)
-            outputs = {"logits": result.output}
+            call.timing(result.queue_s, result.compute_s)
+            outputs = {LOGITS: result.output}
         else:
             ids, mask = text_inputs(rt, tensors, settings.max_batch_size)
-            outputs = {"logits": await _text_forward(rt, ids, mask, request)}
+            outputs = {LOGITS: await _text_forward(rt, ids, mask, call)}
         response = encode_response(rt, header, outputs)
     return response
 
 
-async def _text_forward(rt: ModelRuntime, ids: np.ndarray, mask: np.ndarray, request: Request) -> np.ndarray:
-    import time
-
-    backend = rt.entry.backend
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+async def _text_forward(rt: TextRuntime, ids: np.ndarray, mask: np.ndarray, call: ModelCall) -> np.ndarray:
+    """One stateless forward with an empty past, run on the model's thread between decode steps."""
     arrived = time.perf_counter()
     started: list[float] = []
 
     def forward() -> np.ndarray:
         started.append(time.perf_counter())
-        logits, _ = backend.run_text(ids, mask, positions, backend.empty_past(len(ids)))
-        return logits if isinstance(logits, np.ndarray) else logits.float().cpu().numpy()
+        return rt.backend.forward_stateless(ids, mask)
 
-    assert rt.scheduler is not None
-    logits = await unless_disconnected(request, rt.scheduler.run_exclusive(forward))
+    logits = await call.wait(rt.scheduler.run_exclusive(forward))
     done = time.perf_counter()
-    request.state.timing.set(started[0] - arrived, done - started[0])
+    call.timing(started[0] - arrived, done - started[0])
     return logits.astype(np.float32, copy=False)

@@ -15,7 +15,7 @@ from models.checkpoint import load
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 from models.digit_inputs import VARIANTS, variant_accuracies
 from models.fingerprint import training_fingerprint
-from models.gpt import generate
+from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.train_text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
 from models.train_vision import accuracy, digits_8x8_split, digits_split, train_vision

@@ -27,7 +27,7 @@ from export.onnx_export import export_text, export_vision
 from models.checkpoint import Checkpoint, load
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
-from models.gpt import generate
+from models.generate import generate
 from models.multimax import multimax, paper_params, sigma
 from models.onnx_contract import VISION_INPUT
 from plugins import ort_ops
