@@ -22,6 +22,8 @@ from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
+from models.deit import DeiT
+from models.gpt import GPT
 from models.multimax import onnx_export_params
 from models.onnx_contract import ONNX_DOMAIN, VISION_INPUT, VISION_OUTPUT, OnnxMetadata, text_io_names
 from plugins.onnx_functions import function_protos
@@ -68,7 +70,7 @@ class _Vision(nn.Module):
 
 
 def export_vision(
-    model: nn.Module,
+    model: DeiT,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -103,7 +105,7 @@ class _Decoder(nn.Module):
 
 
 def export_text(
-    model: nn.Module,
+    model: GPT,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -155,7 +157,7 @@ def _trace(
     try:
         with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad():
             warnings.simplefilter("ignore")
-            return torch.onnx.export(
+            program = torch.onnx.export(
                 module,
                 args,
                 dynamo=True,
@@ -165,6 +167,9 @@ def _trace(
                 dynamic_shapes=dynamic,
                 verbose=verbose,
             )
+            if program is None:  # only without dynamo=True
+                raise ExportError("the exporter returned no program")
+            return program
     finally:
         exporter_log.setLevel(level)
 

@@ -17,6 +17,8 @@ from export.samples import default_samples
 from export.validate import Tolerance, validate_text, validate_vision
 from models import registry
 from models.checkpoint import Checkpoint
+from models.deit import DeiT
+from models.gpt import GPT
 
 # (model, checkpoint, out, opset=, inline=, precision=, verbose=) -> the written path
 Exporter = Callable[..., Path]
@@ -24,6 +26,7 @@ Exporter = Callable[..., Path]
 
 def _validate_vision(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
                      batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
+    assert isinstance(model, DeiT), f"a vision export needs a DeiT, got {type(model).__name__}"
     samples = samples or default_samples(model, ckpt.config, batch_sizes)
     return validate_vision(model, out, ckpt.config, samples=samples, batch_sizes=batch_sizes, tolerance=tolerance,
                            phases=phases)
@@ -31,6 +34,7 @@ def _validate_vision(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int
 
 def _validate_text(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
                    batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
+    assert isinstance(model, GPT), f"a text export needs a GPT, got {type(model).__name__}"
     return validate_text(model, out, samples=samples or 100, tolerance=tolerance, phases=phases)
 
 

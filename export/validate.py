@@ -17,6 +17,7 @@ from export.progress import Phases
 from models import onnx_contract as contract
 from models import registry
 from models.generate import generate
+from models.gpt import GPT
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 
 LOGITS_ATOL = 1e-4
@@ -173,7 +174,7 @@ def _feed(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: 
     return text_feeds(ids.numpy(), mask.numpy(), positions.numpy(), [(k.numpy(), v.numpy()) for k, v in past])
 
 
-def _text_case(model: nn.Module, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
+def _text_case(model: GPT, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
     """A random decoder call: batch 1-8, `past_len` cached tokens (computed by the model), 1-8 new ones.
 
     Rows after the first get random left padding, so masked columns and shifted positions are covered.
@@ -216,7 +217,7 @@ def ort_greedy(session: ort.InferenceSession, prompt: list[int], steps: int, n_l
 
 
 def validate_text(
-    model: nn.Module,
+    model: GPT,
     path: Path,
     samples: int = 100,
     max_past: int = 16,
@@ -245,7 +246,10 @@ def validate_text(
     for name, level in LEVELS.items():
         with phases.phase(f"onnxruntime {name}", total=samples, unit="case") as bar:
             session = cpu_session(path, level)
-            logit_diffs, logit_rels, kv_diffs, nans, agree, rows = [], [], [], 0, 0, 0
+            logit_diffs: list[np.ndarray] = []
+            logit_rels: list[np.ndarray] = []
+            kv_diffs: list[np.ndarray] = []
+            nans, agree, rows = 0, 0, 0
             for feed, refs in cases:
                 outs = session.run(output_names, feed)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)

@@ -160,7 +160,7 @@ def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig:
     except KeyError as exc:
         raise CheckpointError(str(exc.args[0])) from None
     try:
-        return arch.config(ckpt.config)  # type: ignore[no-any-return]
+        return arch.config(ckpt.config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"invalid {ckpt.arch} config: {exc}") from None
 

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -117,7 +117,10 @@ def generate(
     max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
     leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
     """
-    prompts = [list(prompt_ids)] if not prompt_ids or isinstance(prompt_ids[0], int) else [list(p) for p in prompt_ids]
+    prompts: list[list[int]] = (
+        [list(cast(Sequence[int], prompt_ids))] if not prompt_ids or isinstance(prompt_ids[0], int)
+        else [list(cast(Sequence[int], p)) for p in prompt_ids]
+    )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
     cfg = model.config

@@ -12,14 +12,14 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .loading import CheckpointError, load_exact, strip_prefixes
-from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, attention_probs, paper_params
+from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, Variant, attention_probs, paper_params
 
 KV = tuple[Tensor, Tensor]  # one layer's (key, value), each (B, n_head, length, head_dim)
 PastKeyValues = list[KV]
@@ -37,7 +37,7 @@ class GPTConfig:
     ln_eps: float = 1e-5
     multimax_attention: bool = True
     multimax_output: bool = True
-    variant: str = "second"  # one of models.multimax.VARIANTS
+    variant: Variant = "second"  # one of models.multimax.VARIANTS
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -190,6 +190,10 @@ class GPT(nn.Module):
         self.multimax = Modulation(config.variant, affine=False) if config.multimax_output else None
         self.init_weights()
 
+    def block_list(self) -> list[Block]:
+        """The blocks, typed (nn.ModuleList's items are typed as any Module)."""
+        return [cast(Block, b) for b in self.blocks]
+
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer).
 
@@ -198,9 +202,10 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:
+                bias = getattr(module, "bias", None)
+                if bias is not None:
+                    nn.init.zeros_(bias)
+        for block in self.block_list():
             for proj in (block.attn.c_proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
@@ -261,7 +266,7 @@ class GPT(nn.Module):
 
 def multimax_modules(model: GPT) -> list[Modulation]:
     """Attention MultiMax layers in depth order, then the output one (where present)."""
-    mods = [b.attn.multimax for b in model.blocks if b.attn.multimax is not None]
+    mods = [b.attn.multimax for b in model.block_list() if b.attn.multimax is not None]
     return mods + ([model.multimax] if model.multimax is not None else [])
 
 
@@ -273,7 +278,7 @@ def set_paper_params(model: GPT, table: tuple[tuple[float, ...], ...] = PAPER_TA
     reports no row for the output MultiMax, so it gets the table's LAST row (the deepest layer's).
     V2's `t`/`b` are left at their init (1, 0).
     """
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.block_list()):
         if block.attn.multimax is not None:
             block.attn.multimax.set_params(*paper_params(i, table))
     if model.multimax is not None:

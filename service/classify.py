@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
+from service.batcher import BatchResult
 from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
@@ -199,7 +200,7 @@ async def classify(name: str, request: Request) -> Response:
         finally:
             for f in futures:
                 f.cancel()  # client gone or a sibling chunk failed: drop what has not started (no-op when done)
-        results = done if isinstance(done, list) else [done]
+        results = cast(list[BatchResult], done if isinstance(done, list) else [done])
         call.timing(max(r.queue_s for r in results), max(r.compute_s for r in results))
         probs = softmax(np.concatenate([r.output for r in results]))
         if not np.isfinite(probs).all():

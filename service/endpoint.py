@@ -17,7 +17,7 @@ large, invalid body) is counted under it too, without parsing the URL path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -90,7 +90,7 @@ async def model_call(request: Request, model: str, *, finish: bool = True) -> As
         yield ModelCall(request, runtimes, tracker)
 
 
-def endpoint_of(app: Any, scope: dict[str, Any], models: Any) -> tuple[str, str] | None:
+def endpoint_of(app: Any, scope: MutableMapping[str, Any], models: Any) -> tuple[str, str] | None:
     """(model label, endpoint label) of a model endpoint's request, for requests refused before it ran; the
     route is the one the router chose, or (before routing, in a middleware) the one it will choose."""
     endpoint, params = scope.get("endpoint"), scope.get("path_params") or {}
@@ -104,10 +104,10 @@ def endpoint_of(app: Any, scope: dict[str, Any], models: Any) -> tuple[str, str]
     if label is None:
         return None
     name = params.get("name")  # completions name the model in the body, which could not be read
-    return (name if name in models else UNKNOWN_MODEL), str(label)
+    return (name if isinstance(name, str) and name in models else UNKNOWN_MODEL), str(label)
 
 
-def count_refused(app: Any, scope: dict[str, Any], status: int) -> None:
+def count_refused(app: Any, scope: MutableMapping[str, Any], status: int) -> None:
     """Count a request refused before its endpoint ran (body too large, body that fails validation)."""
     runtimes = getattr(getattr(app, "state", None), "runtimes", None)
     if runtimes is None:

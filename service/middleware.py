@@ -137,7 +137,7 @@ class BodyLimit(HttpMiddleware):
 
 class GraceExpiry(HttpMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started: dict[str, bytes] = {}
+        started: dict[bytes, bytes] = {}
         finished = False
 
         async def tracking_send(message: Message) -> None:

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -164,11 +164,11 @@ def prompts_of(req: CompletionRequest, rt: TextRuntime, limit: int) -> list[list
     if isinstance(p, str):
         prompts = [tok.encode(p)]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
+        prompts = [list(cast(list[int], p))]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [tok.encode(x) for x in p]  # type: ignore[union-attr]
+        prompts = [tok.encode(x) for x in cast(list[str], p)]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        prompts = [list(x) for x in cast(list[list[int]], p)]
     else:
         raise bad_request("prompt is empty", "prompt", code="empty_prompt")
     if len(prompts) > limit:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -104,9 +105,13 @@ class Runtimes:
             rt = _RUNTIMES[entry.kind](entry, executor, settings, metrics)
             self.models[name] = rt
             metrics.init_model(name, entry.served.endpoints)
-            metrics.model_ready.labels(name).set_function(lambda rt=rt: float(self.ready and rt.problem is None))
+            metrics.model_ready.labels(name).set_function(self._readiness(rt))
         for name in self.skipped:
             metrics.model_ready.labels(name).set(0)
+
+    def _readiness(self, rt: ModelRuntime) -> Callable[[], float]:
+        """multimax_model_ready of one model: 1 while the server serves and its worker is healthy."""
+        return lambda: float(self.ready and rt.problem is None)
 
     def problems(self) -> dict[str, str]:
         """Every model that is not ready, and why (skipped at startup, worker died, keeps failing)."""
