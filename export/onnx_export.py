@@ -127,9 +127,9 @@ def export_text(
     p = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=cfg.block_size)
     total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * cfg.block_size)
     dynamic = {  # keyed by _Decoder.forward's argument names
-        "input_ids": {0: b, 1: t},
-        "attention_mask": {0: b, 1: total},
-        "position_ids": {0: b, 1: t},
+        contract.INPUT_IDS: {0: b, 1: t},
+        contract.ATTENTION_MASK: {0: b, 1: total},
+        contract.POSITION_IDS: {0: b, 1: t},
         "past_key_values": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(cfg.n_layer)],
     }
     inputs, outputs = text_io_names(cfg.n_layer)

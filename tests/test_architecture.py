@@ -1,4 +1,4 @@
-"""The layout's promises: the ONNX contract loads without torch, the architecture registry answers for every
+"""The architecture's promises: the ONNX contract loads without torch, the architecture registry answers for every
 architecture, and the product packages hold no import circles or upward imports."""
 
 from __future__ import annotations
