@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from export.fused_check import fused_summary
-from export.onnx_export import DEFAULT_OPSET, ExportError, export_text, export_vision
+from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.progress import Phases, exporter_stages
-from export.samples import default_samples
+from export.tasks import export_task
 from export.threads import idle_cores
-from export.validate import TOLERANCES, check_graph, validate_text, validate_vision
+from export.validate import TOLERANCES, check_graph
 from models.checkpoint import load
 from models.loading import CheckpointError
 
@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else Path(ckpt_path.stem + suffix)
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
-    exporter = export_text if ckpt.arch == "gpt" else export_vision
+    task = export_task(ckpt.arch)
+    exporter = task.export
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
@@ -109,16 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_validate:
         start = time.perf_counter()
         tolerance = TOLERANCES[precision]
-        if ckpt.arch == "gpt":
-            report["validation"] = validate_text(
-                model, out, samples=args.samples or 100, tolerance=tolerance, phases=phases
-            )
-        else:
-            samples = args.samples or default_samples(model, ckpt.config, args.batch_sizes)
-            report["validation"] = validate_vision(
-                model, out, ckpt.config, samples=samples, batch_sizes=args.batch_sizes,
-                tolerance=tolerance, phases=phases,
-            )
+        report["validation"] = task.validate(model, out, ckpt, args.samples, args.batch_sizes, tolerance, phases)
         report["validation_seconds"] = round(time.perf_counter() - start, 2)
     problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
     if args.trt and not problems:
@@ -180,7 +172,7 @@ def verdict(report: dict) -> str:
         return "not validated (--no-validate): graph checked only"
     tol = v["tolerance"]
     if tol["logits_atol"] is None and tol["top1_min"] is None:
-        key = "next_token_agreement" if report["arch"] == "gpt" else "top1_agreement"
+        key = export_task(report["arch"]).agreement_key
         worst = min(v[level][key] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         worst_diff = max(v[level]["max_abs"] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, "
@@ -196,7 +188,7 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
     ]
     v = report.get("validation")
     if v:
-        top1 = "next_token_agreement" if report["arch"] == "gpt" else "top1_agreement"
+        top1 = export_task(report["arch"]).agreement_key
         for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
             s = v[level]
             kv = f"  present {s['present_max_abs']:.2e}" if "present_max_abs" in s else ""
@@ -211,10 +203,7 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
             )
         if "fused_ops" in v:
             lines.append("  " + fused_summary(v["fused_ops"]))
-        shapes = (
-            f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8" if report["arch"] == "gpt"
-            else f"batch sizes {v['batch_sizes']}"
-        )
+        shapes = export_task(report["arch"]).shapes(v)
         lines.append(f"  {v['samples']} random inputs, {shapes}; limits: {limits(v['tolerance'], report['arch'])}")
     engine = report.get("engine")
     if engine and "path" in engine:
@@ -231,7 +220,7 @@ def limits(tolerance: dict, arch: str) -> str:
         parts.append(f"max|diff| <= {tolerance['logits_atol']:g}")
     if tolerance["top1_min"] is not None:
         parts.append(f"top-1 >= {tolerance['top1_min']:.0%}")
-    if tolerance["greedy_exact"] and arch == "gpt":
+    if tolerance["greedy_exact"] and export_task(arch).greedy_checked:
         parts.append("identical greedy text")
     return ", ".join([*parts, "no NaN"])
 

@@ -10,16 +10,34 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from plugins import ort_ops
 
 FUSED_ATOL = 1e-5  # fused kernels vs the inlined bodies: float32 rounding only
 
 
+def cpu_session(
+    path: Path,
+    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    spinning: bool = True,
+    fused: bool = True,
+) -> ort.InferenceSession:
+    """An onnxruntime CPU session; `spinning=False` stops idle threads busy-waiting after each run.
+
+    `fused`: register the fused MultiMax ops (plugins.ort_ops) when available; False runs the function bodies.
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    if fused:
+        ort_ops.register(options)
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 def compare_fused(path: Path, feeds: list[dict[str, np.ndarray]], atol: float = FUSED_ATOL) -> dict[str, Any]:
     """Max abs difference over every output and feed, with vs without the library; `failures` if > atol."""
-    from export.validate import cpu_session  # validate imports this module
-
     lib = ort_ops.library()
     if not ort_ops.uses_multimax(path):
         return {"in_use": False, "reason": "the model has no multimax nodes", "failures": []}

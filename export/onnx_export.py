@@ -7,11 +7,9 @@ preprocessing, MultiMax placement, exporter versions) and is written atomically.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
 
 import onnx
 import onnx.inliner
@@ -20,19 +18,19 @@ import onnxscript
 import torch
 from torch import nn
 
-from export.onnx_functions import function_protos
 from export.precision import DTYPES, Precision, quantize_int8
+from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
-from models.multimax import ONNX_DOMAIN, onnx_export_params
+from models.deit import DeiT
+from models.gpt import GPT
+from models.multimax import onnx_export_params
+from models.onnx_contract import ONNX_DOMAIN, VISION_INPUT, VISION_OUTPUT, OnnxMetadata, text_io_names
+from plugins.onnx_functions import function_protos
 
 DEFAULT_OPSET = 18
-VISION_INPUT = "pixel_values"
-VISION_OUTPUT = "logits"
 # protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that.
 EXTERNAL_DATA_THRESHOLD = 2_000_000_000 - 10_000_000
-TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
-TEXT_OUTPUT = "logits"
 
 
 class ExportError(ValueError):
@@ -42,23 +40,22 @@ class ExportError(ValueError):
 def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = "fp32") -> dict[str, str]:
     cfg = ckpt.config
     places = [p for p in ("attention", "output") if cfg.get(f"multimax_{p}")]
-    meta: dict[str, Any] = {
-        "multimax.format": "multimax-onnx/1",
-        "multimax.arch": ckpt.arch,
-        "multimax.config": cfg,
-        "multimax.placement": {"places": places, "variant": cfg.get("variant"), "inlined": inline},
-        "multimax.precision": precision,
-        "multimax.labels": ckpt.labels,
-        "multimax.preprocess": ckpt.preprocess,
-        "multimax.tokenizer": ckpt.tokenizer,
-        "multimax.exporter": {
+    return OnnxMetadata(
+        format=contract.FORMAT,
+        arch=ckpt.arch,
+        config=cfg,
+        placement={"places": places, "variant": cfg.get("variant"), "inlined": inline},
+        precision=precision,
+        labels=ckpt.labels,
+        preprocess=ckpt.preprocess,
+        tokenizer=ckpt.tokenizer,
+        exporter={
             "torch": torch.__version__,
             "onnx": onnx.__version__,
             "onnxscript": onnxscript.__version__,
             "opset": opset,
         },
-    }
-    return {k: json.dumps(v) for k, v in meta.items() if v is not None}
+    ).encode()
 
 
 class _Vision(nn.Module):
@@ -73,7 +70,7 @@ class _Vision(nn.Module):
 
 
 def export_vision(
-    model: nn.Module,
+    model: DeiT,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -85,7 +82,8 @@ def export_vision(
     cfg = ckpt.config
     example = torch.randn(2, cfg["in_chans"], cfg["img_size"], cfg["img_size"])
     module = _Vision(_in_dtype(model, precision), DTYPES[precision])
-    program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], {VISION_INPUT: {0: "batch"}}, opset, verbose)
+    dynamic = {VISION_INPUT: {0: contract.BATCH}}
+    program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], dynamic, opset, verbose)
     return _finish(program, ckpt, out, opset, inline, precision)
 
 
@@ -106,15 +104,8 @@ class _Decoder(nn.Module):
         return logits.float(), [(k.float(), v.float()) for k, v in presents]
 
 
-def text_io_names(n_layer: int) -> tuple[list[str], list[str]]:
-    """Input and output names of the decoder graph, as Optimum and onnxruntime-genai spell them."""
-    past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
-    present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
-    return [*TEXT_INPUTS, *past], [TEXT_OUTPUT, *present]
-
-
 def export_text(
-    model: nn.Module,
+    model: GPT,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -131,14 +122,14 @@ def export_text(
     shape = (batch, cfg.n_head, past_len, cfg.head_dim)
     past = [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.n_layer)]
     # Ranges, not just names: the past may be empty (prefill), and the graph itself has no context limit.
-    b = torch.export.Dim("batch", min=1, max=4096)
-    t = torch.export.Dim("sequence", min=1, max=cfg.block_size)
-    p = torch.export.Dim("past_sequence", min=0, max=cfg.block_size)
-    total = torch.export.Dim("total_sequence", min=1, max=2 * cfg.block_size)
-    dynamic = {
-        "input_ids": {0: b, 1: t},
-        "attention_mask": {0: b, 1: total},
-        "position_ids": {0: b, 1: t},
+    b = torch.export.Dim(contract.BATCH, min=1, max=4096)
+    t = torch.export.Dim(contract.SEQUENCE, min=1, max=cfg.block_size)
+    p = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=cfg.block_size)
+    total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * cfg.block_size)
+    dynamic = {  # keyed by _Decoder.forward's argument names
+        contract.INPUT_IDS: {0: b, 1: t},
+        contract.ATTENTION_MASK: {0: b, 1: total},
+        contract.POSITION_IDS: {0: b, 1: t},
         "past_key_values": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(cfg.n_layer)],
     }
     inputs, outputs = text_io_names(cfg.n_layer)
@@ -166,7 +157,7 @@ def _trace(
     try:
         with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad():
             warnings.simplefilter("ignore")
-            return torch.onnx.export(
+            program = torch.onnx.export(
                 module,
                 args,
                 dynamo=True,
@@ -176,6 +167,9 @@ def _trace(
                 dynamic_shapes=dynamic,
                 verbose=verbose,
             )
+            if program is None:  # only without dynamo=True
+                raise ExportError("the exporter returned no program")
+            return program
     finally:
         exporter_log.setLevel(level)
 

@@ -12,11 +12,13 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.fused_check import compare_fused
-from export.onnx_export import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_io_names
+from export.fused_check import compare_fused, cpu_session
 from export.progress import Phases
-from models.gpt import generate
-from plugins import ort_ops
+from models import onnx_contract as contract
+from models import registry
+from models.generate import generate
+from models.gpt import GPT
+from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 
 LOGITS_ATOL = 1e-4
 
@@ -48,7 +50,7 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain]
-    problems = _text_problems(inputs, outputs) if arch == "gpt" else _vision_problems(inputs, outputs)
+    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs)
     return {
         "checker": "passed (full_check)",
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -63,10 +65,10 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
 
 def _vision_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
     problems = []
-    if list(inputs) != [VISION_INPUT] or inputs[VISION_INPUT][0] != "batch":
-        problems.append(f"inputs {inputs}: expected {VISION_INPUT} with a leading 'batch' axis")
-    if list(outputs) != [VISION_OUTPUT] or outputs[VISION_OUTPUT][0] != "batch":
-        problems.append(f"outputs {outputs}: expected {VISION_OUTPUT} with a leading 'batch' axis")
+    if list(inputs) != [VISION_INPUT] or inputs[VISION_INPUT][0] != contract.BATCH:
+        problems.append(f"inputs {inputs}: expected {VISION_INPUT} with a leading '{contract.BATCH}' axis")
+    if list(outputs) != [VISION_OUTPUT] or outputs[VISION_OUTPUT][0] != contract.BATCH:
+        problems.append(f"outputs {outputs}: expected {VISION_OUTPUT} with a leading '{contract.BATCH}' axis")
     return problems
 
 
@@ -79,11 +81,14 @@ def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[st
         return problems
     axes = {name: dims[0] for name, dims in {**inputs, **outputs}.items()}
     axes |= {name: dims[1] for name, dims in inputs.items() if name in TEXT_INPUTS}
-    axes |= {name: dims[2] for name, dims in inputs.items() if name.startswith("past_key_values.")}
+    axes |= {name: dims[2] for name, dims in inputs.items() if name.startswith(contract.PAST_PREFIX)}
     for name, dim in axes.items():
         if not isinstance(dim, str):
             problems.append(f"{name}: axis fixed at {dim}, expected a named dynamic axis")
     return problems
+
+
+_GRAPH_PROBLEMS = {registry.VISION: _vision_problems, registry.TEXT: _text_problems}
 
 
 def _stats(diffs: list[np.ndarray], rels: list[np.ndarray]) -> dict[str, float]:
@@ -165,34 +170,11 @@ def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key:
     return out
 
 
-def cpu_session(
-    path: Path,
-    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    spinning: bool = True,
-    fused: bool = True,
-) -> ort.InferenceSession:
-    """An onnxruntime CPU session; `spinning=False` stops idle threads busy-waiting after each run.
-
-    `fused`: register the fused MultiMax ops (plugins.ort_ops) when available; False runs the function bodies.
-    """
-    options = ort.SessionOptions()
-    options.graph_optimization_level = level
-    if fused:
-        ort_ops.register(options)
-    if not spinning:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def _feed(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: list) -> dict[str, np.ndarray]:
-    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
-    for i, (k, v) in enumerate(past):
-        feed[f"past_key_values.{i}.key"] = k.numpy()
-        feed[f"past_key_values.{i}.value"] = v.numpy()
-    return feed
+    return text_feeds(ids.numpy(), mask.numpy(), positions.numpy(), [(k.numpy(), v.numpy()) for k, v in past])
 
 
-def _text_case(model: nn.Module, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
+def _text_case(model: GPT, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
     """A random decoder call: batch 1-8, `past_len` cached tokens (computed by the model), 1-8 new ones.
 
     Rows after the first get random left padding, so masked columns and shifted positions are covered.
@@ -217,19 +199,15 @@ def _text_case(model: nn.Module, rng: np.random.Generator, past_len: int) -> tup
 def ort_greedy(session: ort.InferenceSession, prompt: list[int], steps: int, n_layer: int) -> list[int]:
     """Greedy decoding with the exported graph alone: prefill from an empty past, then one token per step."""
     inputs = {i.name: i for i in session.get_inputs()}
-    n_head, head_dim = inputs["past_key_values.0.key"].shape[1], inputs["past_key_values.0.key"].shape[3]
+    first_past = inputs[contract.past_names(1)[0][0]]
+    n_head, head_dim = first_past.shape[1], first_past.shape[3]
     empty = np.zeros((1, n_head, 0, head_dim), dtype=np.float32)
     past = [(empty, empty)] * n_layer
     ids = np.array([prompt], dtype=np.int64)
     length, out = 0, []
     for _ in range(steps):
-        feed = {
-            "input_ids": ids,
-            "attention_mask": np.ones((1, length + ids.shape[1]), dtype=np.int64),
-            "position_ids": np.arange(length, length + ids.shape[1], dtype=np.int64)[None],
-        }
-        for i, (k, v) in enumerate(past):
-            feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = k, v
+        feed = text_feeds(ids, np.ones((1, length + ids.shape[1]), dtype=np.int64),
+                          np.arange(length, length + ids.shape[1], dtype=np.int64)[None], past)
         logits, *presents = session.run(None, feed)
         length += ids.shape[1]
         past = list(zip(presents[0::2], presents[1::2], strict=True))
@@ -239,7 +217,7 @@ def ort_greedy(session: ort.InferenceSession, prompt: list[int], steps: int, n_l
 
 
 def validate_text(
-    model: nn.Module,
+    model: GPT,
     path: Path,
     samples: int = 100,
     max_past: int = 16,
@@ -268,7 +246,10 @@ def validate_text(
     for name, level in LEVELS.items():
         with phases.phase(f"onnxruntime {name}", total=samples, unit="case") as bar:
             session = cpu_session(path, level)
-            logit_diffs, logit_rels, kv_diffs, nans, agree, rows = [], [], [], 0, 0, 0
+            logit_diffs: list[np.ndarray] = []
+            logit_rels: list[np.ndarray] = []
+            kv_diffs: list[np.ndarray] = []
+            nans, agree, rows = 0, 0, 0
             for feed, refs in cases:
                 outs = session.run(output_names, feed)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)

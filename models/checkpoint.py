@@ -19,23 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import deit, gpt
+from models import deit, gpt, registry
 from models.atomic import publish, staging_dir
 from models.loading import CheckpointError, load_exact
 
 FORMAT = "multimax/1"
-ARCHES = ("deit", "gpt")
+ARCHES = registry.names()
 
-# timm/DeiT evaluation preprocessing: resize the shorter side to 224/0.875, center crop 224.
-IMAGENET_PREPROCESS: dict[str, Any] = {
-    "channels": "RGB",
-    "image_size": 224,
-    "resize": 256,
-    "interpolation": "bicubic",
-    "crop": "center",
-    "mean": [0.485, 0.456, 0.406],
-    "std": [0.229, 0.224, 0.225],
-}
+IMAGENET_PREPROCESS = deit.IMAGENET_PREPROCESS
 
 
 @dataclass
@@ -124,29 +115,22 @@ def parse(obj: Any, source: str = "checkpoint", **hints: Any) -> tuple[Checkpoin
     """
     if isinstance(obj, dict) and "format" in obj:
         return _parse_own(obj, source)
-    if isinstance(obj, dict) and obj and _looks_like_deit(obj):
-        config, state_dict, info = deit.adapt_checkpoint(obj, **{k: v for k, v in hints.items() if v is not None})
+    arch = registry.for_foreign(obj) if isinstance(obj, dict) and obj else None
+    if arch is not None and arch.adapt_checkpoint is not None:
+        config, state_dict, info = arch.adapt_checkpoint(obj, **{k: v for k, v in hints.items() if v is not None})
         ckpt = Checkpoint(
-            arch="deit",
+            arch=arch.name,
             config=config.to_dict(),
             state_dict=state_dict,
             labels=None,
             preprocess=IMAGENET_PREPROCESS | {"image_size": config.img_size, "resize": round(config.img_size / 0.875)},
             meta={"source_layout": info.get("layout")},
         )
-        return ckpt, {"format": info.get("layout", "deit"), **info}
+        return ckpt, {"format": info.get("layout", arch.name), **info}
     if isinstance(obj, dict):
         keys = ", ".join(list(map(str, obj))[:5])
         raise CheckpointError(f"{source}: unknown checkpoint layout (top-level keys: {keys or 'none'})")
     raise CheckpointError(f"{source}: holds a {type(obj).__name__}, not a checkpoint dict")
-
-
-def _looks_like_deit(obj: dict[str, Any]) -> bool:
-    for key in ("model", "model_ema", "state_dict"):
-        if isinstance(obj.get(key), dict):
-            obj = obj[key]
-            break
-    return any(str(k).endswith("patch_embed.proj.weight") for k in obj)
 
 
 def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, Any]]:
@@ -171,9 +155,12 @@ def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, 
 
 
 def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig:
-    cls = deit.DeiTConfig if ckpt.arch == "deit" else gpt.GPTConfig
     try:
-        return cls.from_dict(ckpt.config)
+        arch = registry.get(ckpt.arch)
+    except KeyError as exc:
+        raise CheckpointError(str(exc.args[0])) from None
+    try:
+        return arch.config(ckpt.config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"invalid {ckpt.arch} config: {exc}") from None
 
@@ -181,7 +168,7 @@ def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig:
 def build_model(ckpt: Checkpoint, source: str = "checkpoint") -> nn.Module:
     """Construct the model for `ckpt` and load every weight exactly; returns it in eval mode."""
     config = config_of(ckpt)
-    model: nn.Module = deit.DeiT(config) if ckpt.arch == "deit" else gpt.GPT(config)  # type: ignore[arg-type]
+    model = registry.get(ckpt.arch).model(config)
     load_exact(model, ckpt.state_dict, source)
     return model.eval()
 

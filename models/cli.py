@@ -17,11 +17,10 @@ from typing import Any
 import torch
 
 from models import checkpoint as ckpt_io
-from models import deit, gpt
+from models import deit, registry
 from models.describe import describe, format_text
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
-from models.tokenizer import ByteTokenizer
 
 PLACES = ("attention", "output")
 
@@ -75,35 +74,16 @@ def cmd_init(args: argparse.Namespace) -> int:
         "multimax_output": "output" in places,
         "variant": args.variant,
     }
-    if args.preset in deit.DEIT_PRESETS:
-        overrides = common | {k: v for k, v in (("num_classes", args.num_classes), ("pool", args.pool)) if v}
-        config = deit.DeiTConfig.from_preset(args.preset, **overrides)
-        model: torch.nn.Module = deit.DeiT(config)
-        if args.params == "paper":
-            deit.set_paper_params(model)  # type: ignore[arg-type]
-        ckpt = ckpt_io.Checkpoint(
-            "deit",
-            config.to_dict(),
-            model.state_dict(),
-            labels=None,
-            preprocess=ckpt_io.IMAGENET_PREPROCESS,
-            meta={"init": args.params, "seed": args.seed},
-        )
-    elif args.preset in gpt.GPT_PRESETS:
-        config_g = gpt.GPTConfig.from_preset(args.preset, **common)
-        model = gpt.GPT(config_g)
-        if args.params == "paper":
-            gpt.set_paper_params(model)  # type: ignore[arg-type]
-        ckpt = ckpt_io.Checkpoint(
-            "gpt",
-            config_g.to_dict(),
-            model.state_dict(),
-            tokenizer=ByteTokenizer().to_dict(),
-            meta={"init": args.params, "seed": args.seed},
-        )
-    else:
-        known = ", ".join([*deit.DEIT_PRESETS, *gpt.GPT_PRESETS])
-        raise UsageError(f"unknown preset {args.preset!r}; known: {known}")
+    arch = registry.for_preset(args.preset)
+    if arch is None:
+        raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(registry.all_presets())}")
+    overrides = common | {k: v for k in arch.init_options if (v := getattr(args, k))}
+    config = arch.preset_config(args.preset, **overrides)
+    model = arch.model(config)
+    if args.params == "paper":
+        arch.set_paper_params(model)
+    ckpt = ckpt_io.Checkpoint(arch.name, config.to_dict(), model.state_dict(),
+                              meta={"init": args.params, "seed": args.seed}, **arch.new_checkpoint_fields())
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, MultiMax {args.params} params)")
@@ -120,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_hints(p)
     p.set_defaults(func=cmd_info)
 
-    presets = [*deit.DEIT_PRESETS, *gpt.GPT_PRESETS]
+    presets = registry.all_presets()
     p = sub.add_parser("init", help="create a model from a preset (for tests and demos)")
     p.add_argument("preset", help=f"one of: {', '.join(presets)}")
     p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | attention | none")

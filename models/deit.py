@@ -15,15 +15,35 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from models.loading import CheckpointError, check_keys, load_exact, strip_prefixes
-from models.multimax import PAPER_TABLE_7, VARIANTS, attention_probs, modulate, paper_params, paper_row_to_params
+from models.multimax import (
+    PAPER_TABLE_7,
+    VARIANTS,
+    Variant,
+    attention_probs,
+    modulate,
+    paper_params,
+    paper_row_to_params,
+)
 
 Pool = Literal["avg", "token"]
+
+
+# timm/DeiT evaluation preprocessing: resize the shorter side to 224/0.875, center crop 224.
+IMAGENET_PREPROCESS: dict[str, Any] = {
+    "channels": "RGB",
+    "image_size": 224,
+    "resize": 256,
+    "interpolation": "bicubic",
+    "crop": "center",
+    "mean": [0.485, 0.456, 0.406],
+    "std": [0.229, 0.224, 0.225],
+}
 
 
 @dataclass
@@ -41,7 +61,7 @@ class DeiTConfig:
     pool: Pool = "avg"  # "avg": official MultiMax (no class token); "token": timm DeiT class token
     multimax_attention: bool = True
     multimax_output: bool = True
-    variant: str = "second"  # models.multimax.VARIANTS
+    variant: Variant = "second"  # models.multimax.VARIANTS
 
     def __post_init__(self) -> None:
         for name in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads"):
@@ -124,6 +144,9 @@ class Attention(nn.Module):
     `attn.<child>.ranges`; `models.multimax.attention_probs` reads them from this module.
     """
 
+    ranges: Tensor  # registered by _add_multimax_params where MultiMax is on
+    ts: Tensor
+
     def __init__(self, config: DeiTConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -174,6 +197,9 @@ class Block(nn.Module):
 
 
 class DeiT(nn.Module):
+    ranges: Tensor  # the output MultiMax, registered by _add_multimax_params where it is on
+    ts: Tensor
+
     def __init__(self, config: DeiTConfig) -> None:
         super().__init__()
         self.config = config
@@ -222,6 +248,10 @@ class DeiT(nn.Module):
         x = self.norm(x)
         return x[:, 0] if self.config.pool == "token" else x.mean(1)
 
+    def block_list(self) -> list[Block]:
+        """The blocks, typed (nn.ModuleList's items are typed as any Module)."""
+        return [cast(Block, b) for b in self.blocks]
+
     def forward(self, images: Tensor) -> Tensor:
         logits = self.head(self.forward_features(images))
         if self.config.multimax_output:
@@ -238,7 +268,7 @@ def set_paper_params(model: DeiT) -> DeiT:
     output MultiMax, so it gets the last row, the deepest layer's, the closest to the logits. V2's
     `t`/`b` are left as they are (the paper has none; identity at init).
     """
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.block_list()):
         if block.attn.multimax:
             ranges, ts = paper_params(i, PAPER_TABLE_7)
             block.attn.ranges.copy_(torch.tensor(ranges))
@@ -403,6 +433,7 @@ def adapt_checkpoint(
             preset_from = "preset" if preset_name else None
     preset_cfg = DEIT_PRESETS[preset_name] if preset_name else {}
 
+    heads_from: str | None
     if num_heads is not None:
         heads, heads_from = int(num_heads), "flag"
     elif _get(args, "num_heads") is not None:
@@ -432,7 +463,7 @@ def adapt_checkpoint(
         pool=pool,
         multimax_attention=multimax_attention,
         multimax_output=multimax_output,
-        variant=variant,
+        variant=cast(Variant, variant),  # checked against VARIANTS above
     )
     check_keys(_expected_shapes(config), sd)  # before allocating the real model
     info = {

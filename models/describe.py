@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from models import deit, gpt
+from models import deit, gpt, registry
 from models.checkpoint import Checkpoint, config_of
 
 ORDER_NAMES = {"second": "second order", "first": "first order", "v2": "V2: affine t*x+b, then first order"}
@@ -14,8 +14,7 @@ ORDER_NAMES = {"second": "second order", "first": "first order", "v2": "V2: affi
 
 def matching_preset(ckpt: Checkpoint) -> str | None:
     """The named preset whose architecture fields all equal the checkpoint's, if any."""
-    presets = deit.DEIT_PRESETS if ckpt.arch == "deit" else gpt.GPT_PRESETS
-    for name, fields in presets.items():
+    for name, fields in registry.get(ckpt.arch).presets.items():
         if all(ckpt.config.get(k) == v for k, v in fields.items()):
             return name
     return None
@@ -24,30 +23,9 @@ def matching_preset(ckpt: Checkpoint) -> str | None:
 def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[str, Any]:
     config = config_of(ckpt)
     c = ckpt.config
-    if ckpt.arch == "deit":
-        sizes = {
-            "embed_dim": c["embed_dim"],
-            "depth": c["depth"],
-            "num_heads": c["num_heads"],
-            "mlp_ratio": c["mlp_ratio"],
-            "patch_size": c["patch_size"],
-            "image_size": c["img_size"],
-            "in_chans": c["in_chans"],
-            "num_classes": c["num_classes"],
-            "qkv_bias": c["qkv_bias"],
-            "pool": c["pool"],
-            "ln_eps": c["ln_eps"],
-        }
-        layers = c["depth"]
-    else:
-        sizes = {
-            "n_embd": c["n_embd"],
-            "n_layer": c["n_layer"],
-            "n_head": c["n_head"],
-            "block_size": c["block_size"],
-            "vocab_size": c["vocab_size"],
-        }
-        layers = c["n_layer"]
+    arch = registry.get(ckpt.arch)
+    sizes = {shown: c[key] for shown, key in arch.size_fields}
+    layers = c[arch.depth_key]
     assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig)
     return {
         "format": info.get("format"),

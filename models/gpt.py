@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .loading import CheckpointError, load_exact, strip_prefixes
-from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, attention_probs, paper_params
-from .tokenizer import ByteTokenizer
+from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, Variant, attention_probs, paper_params
 
 KV = tuple[Tensor, Tensor]  # one layer's (key, value), each (B, n_head, length, head_dim)
 PastKeyValues = list[KV]
@@ -38,7 +37,7 @@ class GPTConfig:
     ln_eps: float = 1e-5
     multimax_attention: bool = True
     multimax_output: bool = True
-    variant: str = "second"  # one of models.multimax.VARIANTS
+    variant: Variant = "second"  # one of models.multimax.VARIANTS
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -191,6 +190,10 @@ class GPT(nn.Module):
         self.multimax = Modulation(config.variant, affine=False) if config.multimax_output else None
         self.init_weights()
 
+    def block_list(self) -> list[Block]:
+        """The blocks, typed (nn.ModuleList's items are typed as any Module)."""
+        return [cast(Block, b) for b in self.blocks]
+
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer).
 
@@ -199,9 +202,10 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:
+                bias = getattr(module, "bias", None)
+                if bias is not None:
+                    nn.init.zeros_(bias)
+        for block in self.block_list():
             for proj in (block.attn.c_proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
@@ -262,7 +266,7 @@ class GPT(nn.Module):
 
 def multimax_modules(model: GPT) -> list[Modulation]:
     """Attention MultiMax layers in depth order, then the output one (where present)."""
-    mods = [b.attn.multimax for b in model.blocks if b.attn.multimax is not None]
+    mods = [b.attn.multimax for b in model.block_list() if b.attn.multimax is not None]
     return mods + ([model.multimax] if model.multimax is not None else [])
 
 
@@ -274,7 +278,7 @@ def set_paper_params(model: GPT, table: tuple[tuple[float, ...], ...] = PAPER_TA
     reports no row for the output MultiMax, so it gets the table's LAST row (the deepest layer's).
     V2's `t`/`b` are left at their init (1, 0).
     """
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.block_list()):
         if block.attn.multimax is not None:
             block.attn.multimax.set_params(*paper_params(i, table))
     if model.multimax is not None:
@@ -336,147 +340,3 @@ def infer_config(state_dict: Mapping[str, Tensor], base: GPTConfig | None = None
         return GPTConfig.from_dict({**rest, **inferred})
     except ValueError as e:
         raise CheckpointError(f"cannot build a config for these weights: {e}") from e
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sampling, step by step (a server calls sample_next / stop_match per decoded token).
-
-
-def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
-    """Keep the k largest logits per row (ties at the k-th value survive), -inf elsewhere."""
-    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    """Nucleus: keep the smallest set of top tokens whose probability reaches top_p (the top one always)."""
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    probs = sorted_logits.softmax(-1)
-    drop_sorted = probs.cumsum(-1) - probs >= top_p  # mass strictly above this token already suffices
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def sample_next(
-    logits: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1:
-        logits = top_p_filter(logits, top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-
-
-def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
-    """Stop sequences as UTF-8 bytes (empty ones dropped)."""
-    out = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in (stop or [])]
-    return [s for s in out if s]
-
-
-def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: ByteTokenizer) -> int | None:
-    """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None."""
-    if not stops:
-        return None
-    text = tokenizer.decode_bytes(tokens)
-    for s in stops:
-        if text.endswith(s):
-            cut = len(text) - len(s)
-            keep = len(tokens)
-            # Drop tokens until none of the stop's bytes remain (a token straddling the cut goes too).
-            while keep and len(tokenizer.decode_bytes(tokens[:keep])) > cut:
-                keep -= 1
-            return keep
-    return None
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) -> tuple[Tensor, Tensor]:
-    """(input_ids, attention_mask), both (B, longest): prompts right-aligned so new tokens line up."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
-    for row, p in enumerate(prompts):
-        if p:
-            ids[row, longest - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
-            mask[row, longest - len(p):] = 1
-    return ids, mask
-
-
-@torch.no_grad()
-def generate(
-    model: GPT,
-    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop: Sequence[str] | Sequence[bytes] | None = None,
-    seed: int | None = None,
-    eos_id: int | None = None,
-    tokenizer: ByteTokenizer | None = None,
-) -> list[list[int]]:
-    """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
-
-    A row ends at `eos_id` (not returned), at a stop sequence (removed from the output), after
-    max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
-    leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
-    """
-    prompts = [list(prompt_ids)] if not prompt_ids or isinstance(prompt_ids[0], int) else [list(p) for p in prompt_ids]
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
-    cfg = model.config
-    longest = max(len(p) for p in prompts)
-    if longest > cfg.block_size:
-        raise ValueError(f"prompt of {longest} tokens does not fit the context of {cfg.block_size}")
-    budget = min(max_new_tokens, cfg.block_size - longest)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    if budget <= 0:
-        return outputs
-
-    stops = stop_bytes(stop)
-    tokenizer = tokenizer or ByteTokenizer()
-    device, dtype = model.wte.weight.device, model.wte.weight.dtype
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    input_ids, attention_mask = left_pad(prompts, pad_id=0, device=device)  # pad id is masked, any id works
-    cache = KVCache.empty(cfg, len(prompts), dtype, device)
-    done = [False] * len(prompts)
-
-    was_training = model.training
-    model.eval()
-    try:
-        logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
-        for step in range(budget):
-            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
-            for row, tok in enumerate(next_ids.tolist()):
-                if done[row]:
-                    continue
-                if eos_id is not None and tok == eos_id:
-                    done[row] = True
-                    continue
-                outputs[row].append(tok)
-                keep = stop_match(outputs[row], stops, tokenizer)
-                if keep is not None:
-                    del outputs[row][keep:]
-                    done[row] = True
-            if all(done) or step == budget - 1:
-                break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=1)
-            logits, cache.layers = model(
-                next_ids[:, None], attention_mask=attention_mask, past_key_values=cache.layers
-            )
-    finally:
-        model.train(was_training)
-    return outputs

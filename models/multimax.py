@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
 
 Variant = Literal["second", "first", "v2"]
 VARIANTS: tuple[str, ...] = ("second", "first", "v2")
@@ -122,14 +124,40 @@ class Modulation(nn.Module):
         return f"variant={self.variant}"
 
 
-def modulate(x: torch.Tensor, owner: nn.Module, order: int | None = None) -> torch.Tensor:
+class Owner(Protocol):
+    """A module holding one set of MultiMax parameters (a `Modulation`, or an attention layer that keeps them
+    itself as the official code does); V2 owners also hold `t` and `b`, most hold their `order`."""
+
+    @property
+    def ranges(self) -> torch.Tensor: ...
+
+    @property
+    def ts(self) -> torch.Tensor: ...
+
+
+def _order(owner: Owner, order: int | None) -> int:
+    """The order asked for, else the owner's own."""
+    if order is not None:
+        return order
+    own = getattr(owner, "order", None)
+    if not isinstance(own, int):
+        raise TypeError(f"{type(owner).__name__} holds no MultiMax order; pass one")
+    return own
+
+
+def _affine(owner: Owner, x: torch.Tensor) -> torch.Tensor:
+    """V2's t*x + b where the owner has them, else x."""
+    t, b = getattr(owner, "t", None), getattr(owner, "b", None)
+    return x if t is None or b is None else t * x + b
+
+
+def modulate(x: torch.Tensor, owner: Owner, order: int | None = None) -> torch.Tensor:
     """sigma with the parameters of `owner` (a module holding `ranges`, `ts` and, for V2, `t`, `b`).
 
     Under ONNX export (inside `onnx_export_params`) this is one `multimax::MultiMaxSigma` node.
     """
-    order = owner.order if order is None else order
-    if getattr(owner, "t", None) is not None:
-        x = owner.t * x + owner.b
+    order = _order(owner, order)
+    x = _affine(owner, x)
     frozen = _export_attrs(owner, order, "MultiMaxSigma")
     if frozen is not None:
         return _export_node("MultiMaxSigma", x, None, frozen)
@@ -137,7 +165,7 @@ def modulate(x: torch.Tensor, owner: nn.Module, order: int | None = None) -> tor
 
 
 def attention_probs(
-    scores: torch.Tensor, owner: nn.Module | None, mask: torch.Tensor | None = None, order: int | None = None
+    scores: torch.Tensor, owner: Owner | None, mask: torch.Tensor | None = None, order: int | None = None
 ) -> torch.Tensor:
     """Attention weights from raw scaled scores: modulate, then mask, then softmax.
 
@@ -147,12 +175,11 @@ def attention_probs(
     or `multimax::MultiMaxNoMask` (without).
     """
     if owner is not None:
-        order = owner.order if order is None else order
+        order = _order(owner, order)
         op = "MultiMax" if mask is not None else "MultiMaxNoMask"
         frozen = _export_attrs(owner, order, op)
         if frozen is not None:
-            x = owner.t * scores + owner.b if getattr(owner, "t", None) is not None else scores
-            return _export_node(op, x, mask, frozen)
+            return _export_node(op, _affine(owner, scores), mask, frozen)
     half = scores.dtype in (torch.float16, torch.bfloat16)
     y = scores.float() if half else scores  # sigma's squared terms overflow fp16: fp32 like the fused kernel
     y = y if owner is None else modulate(y, owner, order)
@@ -165,13 +192,12 @@ def attention_probs(
 # The exporter traces with fake tensors, so the learned parameters are read to Python floats first
 # and written as node attributes (what the TensorRT plugin and the ONNX function body consume).
 
-ONNX_DOMAIN = "multimax"
-# TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
-# read the attribute, and `plugin_namespace` names the plugin's namespace for parsers that look it up.
-PLUGIN_VERSION = "1"
 
 
-def _export_attrs(owner: nn.Module, order: int, op: str) -> dict[str, object] | None:
+ExportAttrs = dict[str, Any]  # ONNX node attributes: floats, ints, strings and lists of them
+
+
+def _export_attrs(owner: Owner, order: int, op: str) -> ExportAttrs | None:
     frozen = getattr(owner, "_onnx_params", None)
     if frozen is None or not torch.onnx.is_in_onnx_export():
         return None
@@ -182,7 +208,7 @@ def _export_attrs(owner: nn.Module, order: int, op: str) -> dict[str, object] | 
     return {"ranges": ranges, "ts": ts, "order": order, **plugin}
 
 
-def _export_node(op: str, x: torch.Tensor, mask: torch.Tensor | None, attrs: dict[str, object]) -> torch.Tensor:
+def _export_node(op: str, x: torch.Tensor, mask: torch.Tensor | None, attrs: ExportAttrs) -> torch.Tensor:
     """One `multimax::<op>` node, always computed in fp32: the squared terms overflow fp16."""
     dtype = x.dtype
     inputs = (x.float(),) if mask is None else (x.float(), mask.float())
@@ -204,9 +230,12 @@ def onnx_export_params(model: nn.Module) -> Iterator[list[nn.Module]]:
     """While active, a traced MultiMax becomes one custom-domain node carrying its parameters."""
     owners = multimax_owners(model)
     for m in owners:
-        m._onnx_params = ([float(v) for v in m.ranges.detach().tolist()], [float(v) for v in m.ts.detach().tolist()])
+        ranges, ts = cast(torch.Tensor, m.ranges), cast(torch.Tensor, m.ts)
+        # in the instance dict (not a module attribute): read by _export_attrs while tracing
+        vars(m)["_onnx_params"] = ([float(v) for v in ranges.detach().tolist()],
+                                   [float(v) for v in ts.detach().tolist()])
     try:
         yield owners
     finally:
         for m in owners:
-            del m._onnx_params
+            vars(m).pop("_onnx_params", None)

@@ -13,7 +13,6 @@ Exit codes: 0 built, 1 the network lost MultiMax plugin layers, 2 bad input or n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import onnx
 
 from models.atomic import publish, staging_dir
-from models.multimax import ONNX_DOMAIN
+from models.onnx_contract import ONNX_DOMAIN, proto_props, read_metadata
 
 DEFAULT_WORKSPACE_GIB = 4
 DEFAULT_MAX_SEQ = 1024
@@ -131,13 +130,10 @@ def _dims_profile(dims: Sequence[int], profile: Profile, default_seq: int) -> tu
 
 def _default_seq(model: onnx.ModelProto) -> int:
     """The model's context length from the exporter's metadata (`block_size`), else DEFAULT_MAX_SEQ."""
-    for prop in model.metadata_props:
-        if prop.key == "multimax.config":
-            try:
-                return int(json.loads(prop.value).get("block_size", DEFAULT_MAX_SEQ))
-            except (ValueError, TypeError, AttributeError):
-                break
-    return DEFAULT_MAX_SEQ
+    try:
+        return int(read_metadata(proto_props(model)).config.get("block_size", DEFAULT_MAX_SEQ))
+    except (ValueError, TypeError, AttributeError):
+        return DEFAULT_MAX_SEQ
 
 
 def build_engine(

@@ -17,7 +17,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -157,7 +159,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
 
     ranges, ts = _params(2)
     heads, t = 2, 197
-    attrs = {
+    attrs: dict[str, Any] = {
         "ranges": ranges.tolist(),
         "ts": ts.tolist(),
         "order": 2,
@@ -181,7 +183,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
     graph = helper.make_graph(nodes, "multimax_selftest", [x_info, m_info], outs)
     opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
     try:  # the exporter's function bodies: the engine must still use the plugins
-        from export.onnx_functions import function_protos
+        from plugins.onnx_functions import function_protos
 
         functions = function_protos(18)
     except ImportError:
@@ -251,9 +253,9 @@ def bench_rows(shape: tuple[int, ...]) -> list[Row]:
     ranges, ts = params[:4], params[4:]  # halves of one vector: the kernel reads it in place
     for dtype in (torch.float16, torch.float32):
         x = torch.randn(shape, device="cuda", dtype=dtype) * 3
-        fused = _bench(lambda x=x: fused_multimax(x, ranges, ts, 2))
-        unfused = _bench(lambda x=x: unfused_multimax(x, ranges, ts, 2))
-        plain = _bench(lambda x=x: torch.softmax(x, dim=-1))
+        fused = _bench(partial(fused_multimax, x, ranges, ts, 2))
+        unfused = _bench(partial(unfused_multimax, x, ranges, ts, 2))
+        plain = _bench(partial(torch.softmax, x, dim=-1))
         case = f"{'x'.join(map(str, shape))} {_name(dtype)}"
         gbs = 2 * x.numel() * x.element_size() / (fused * 1e-3) / 1e9
         rows.append(Row("time fused", case, f"{fused * 1e3:.1f} us", f"{gbs:.0f} GB/s", None))

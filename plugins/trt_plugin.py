@@ -23,7 +23,7 @@ Rules of the API this follows (tensorrt/plugin/_lib.py, _plugin_class.py, _valid
 import functools
 from typing import Any
 
-from models.multimax import ONNX_DOMAIN, PLUGIN_VERSION
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
 
 PLUGIN_NAMESPACE = ONNX_DOMAIN
 PLUGIN_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")

@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests and streams finish (up to
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.access_log, timeout_graceful_shutdown=settings.graceful_timeout_s,
+                access_log=settings.access_log,
+                # uvicorn annotates int, but takes any number of seconds (it is an asyncio timeout)
+                timeout_graceful_shutdown=settings.graceful_timeout_s,  # type: ignore[arg-type]
                 http=header_timeout_protocol(settings.header_timeout_s))
     return 0
 

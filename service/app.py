@@ -12,7 +12,8 @@ from starlette.responses import Response
 from service import classify, kserve, openai_api
 from service.config import Settings
 from service.docs import install_docs
-from service.errors import install_handlers
+from service.endpoint import labelled_routes
+from service.handlers import install_handlers
 from service.metrics import Metrics
 from service.middleware import BodyLimit, GraceExpiry, ServerTiming
 from service.registry import load_models
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
+    app.state.model_routes = labelled_routes(openai_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")
     async def prometheus(request: Request) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -18,10 +18,11 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
+from service.batcher import BatchResult
+from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
-from service.lifecycle import deadline, tracked, unless_disconnected
-from service.runtime import ModelRuntime, Runtimes, softmax
+from service.runtime import VisionRuntime, softmax
 from service.vision import Preprocess, load_and_preprocess
 
 router = APIRouter(tags=["classification"])
@@ -128,11 +129,10 @@ def _decode_all(blobs: list[bytes], spec: Preprocess, max_pixels: int, min_side:
     return np.stack(rows)
 
 
-async def decode_request(request: Request, rt: ModelRuntime, settings: Any) -> np.ndarray:
+async def decode_request(request: Request, rt: VisionRuntime, settings: Any) -> np.ndarray:
     """The request as model rows (n, C, H, W): read, then decode and preprocess every image in a worker thread
     (one hop per request, whatever the images' size: the event loop never decodes)."""
     blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes)
-    assert rt.preprocess is not None
     return await asyncio.to_thread(_decode_all, blobs, rt.preprocess, settings.max_image_pixels,
                                    settings.min_image_side)
 
@@ -182,29 +182,28 @@ def query_params(request: Request) -> tuple[int, float | None]:
              responses={200: {"model": ClassificationResponse, "description": "top-k labels per image"},
                         **error_responses(False, MODEL_CALL)},
              summary="Classify images: top-k labels with probabilities")
+@model_endpoint("classify")
 async def classify(name: str, request: Request) -> Response:
-    runtimes: Runtimes = request.app.state.runtimes
-    settings = runtimes.settings
-    async with tracked(runtimes.metrics, runtimes.label(name), "classify"):
+    async with model_call(request, name) as call:
+        settings = call.settings
         top_k, timeout = query_params(request)
-        rt = runtimes.get(name, "image-classification")
-        assert rt.batcher is not None
+        rt = call.runtime(name, VisionRuntime)
         rt.batcher.check_room()  # a request that will get 429 is refused before its body is read
         rows = await decode_request(request, rt, settings)
-        due = deadline(settings.request_timeout_s, timeout)
+        due = call.deadline(timeout)
         step = settings.max_batch_size
         chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
         futures = [rt.batcher.enqueue(c, due) for c in chunks]
         work = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         try:
-            done = await unless_disconnected(request, work)
+            done = await call.wait(work)
         finally:
             for f in futures:
                 f.cancel()  # client gone or a sibling chunk failed: drop what has not started (no-op when done)
-        results = done if isinstance(done, list) else [done]
-        request.state.timing.set(max(r.queue_s for r in results), max(r.compute_s for r in results))
+        results = cast(list[BatchResult], done if isinstance(done, list) else [done])
+        call.timing(max(r.queue_s for r in results), max(r.compute_s for r in results))
         probs = softmax(np.concatenate([r.output for r in results]))
         if not np.isfinite(probs).all():
             raise non_finite_error("probabilities")
-        body = dumps(encode_response(name, rt.entry.labels or [], probs, top_k))
+        body = dumps(encode_response(name, rt.labels, probs, top_k))
     return Response(body, media_type="application/json")

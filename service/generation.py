@@ -27,14 +27,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from models.gpt import stop_match
+from models.generate import NonFiniteLogits, sample_token, stop_match
 from models.tokenizer import ByteTokenizer
 from service import kvcache
-from service.backends.base import Backend, Past
+from service.backends.base import Past, TextModel
 from service.errors import ServiceError
 from service.health import Health
 from service.metrics import Metrics
-from service.sampling import NonFiniteLogits, sample_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,7 +140,7 @@ class TextScheduler:
     def __init__(
         self,
         model: str,
-        backend: Backend,
+        backend: TextModel,
         tokenizer: ByteTokenizer,
         context_length: int,
         executor: Executor,

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from service.errors import OUTCOME_BY_STATUS, ServiceError
-from service.metrics import UNKNOWN_MODEL, Metrics
+from service.metrics import Metrics
 
 T = TypeVar("T")
 
@@ -98,25 +98,3 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def outcome_of(status: int) -> str:
     return OUTCOME_BY_STATUS.get(status, "invalid_input" if status < 500 else "error")
-
-
-def endpoint_of(path: str, models: Any) -> tuple[str, str] | None:
-    """(model label, endpoint) of a model endpoint's path, for requests refused before the endpoint ran."""
-    parts = path.strip("/").split("/")
-    if path == "/v1/completions":
-        return UNKNOWN_MODEL, "completions"  # the model name was in the body that could not be read
-    if len(parts) == 4 and parts[:2] == ["v1", "models"] and parts[3] == "classify":
-        return (parts[2] if parts[2] in models else UNKNOWN_MODEL), "classify"
-    if len(parts) >= 4 and parts[:2] == ["v2", "models"] and parts[-1] == "infer":
-        return (parts[2] if parts[2] in models else UNKNOWN_MODEL), "infer"
-    return None
-
-
-def count_refused(app: Any, path: str, status: int) -> None:
-    """Count a request refused before its endpoint ran (body too large, body that fails validation)."""
-    runtimes = getattr(getattr(app, "state", None), "runtimes", None)
-    if runtimes is None:
-        return
-    labels = endpoint_of(path, runtimes.models)
-    if labels is not None:
-        runtimes.metrics.requests.labels(*labels, outcome_of(status)).inc()

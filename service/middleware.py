@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.endpoint import count_refused
 from service.errors import error_response
-from service.lifecycle import count_refused
 
 
 @dataclass
@@ -104,7 +104,7 @@ class BodyLimit(HttpMiddleware):
                     too_large = declared > self.max_bytes
                     status = 413 if too_large else 400
                     message = BodyTooLarge(self.max_bytes).detail if too_large else "invalid Content-Length"
-                    count_refused(scope.get("app"), scope["path"], status)
+                    count_refused(scope.get("app"), scope, status)
                     response = error_response(scope["path"], status, message,
                                               code="body_too_large" if too_large else "invalid_header",
                                               headers={"Connection": "close"})
@@ -137,7 +137,7 @@ class BodyLimit(HttpMiddleware):
 
 class GraceExpiry(HttpMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started: dict[str, bytes] = {}
+        started: dict[bytes, bytes] = {}
         finished = False
 
         async def tracking_send(message: Message) -> None:

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +22,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from models.gpt import stop_bytes
+from models.generate import stop_bytes
+from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
 from service.jsonio import check_size, loads
-from service.lifecycle import Tracker, count_refused, tracked, unless_disconnected
-from service.runtime import ModelRuntime, Runtimes
+from service.lifecycle import Tracker
+from service.runtime import ModelRuntime, Runtimes, TextRuntime
 
 router = APIRouter(tags=["openai"])
 OWNER = "multimax-serve"
@@ -154,8 +155,7 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def prompts_of(req: CompletionRequest, rt: ModelRuntime, limit: int) -> list[list[int]]:
-    assert rt.tokenizer is not None
+def prompts_of(req: CompletionRequest, rt: TextRuntime, limit: int) -> list[list[int]]:
     tok = rt.tokenizer
     p = req.prompt
     texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)]
@@ -164,11 +164,11 @@ def prompts_of(req: CompletionRequest, rt: ModelRuntime, limit: int) -> list[lis
     if isinstance(p, str):
         prompts = [tok.encode(p)]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
+        prompts = [list(cast(list[int], p))]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [tok.encode(x) for x in p]  # type: ignore[union-attr]
+        prompts = [tok.encode(x) for x in cast(list[str], p)]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        prompts = [list(x) for x in cast(list[list[int]], p)]
     else:
         raise bad_request("prompt is empty", "prompt", code="empty_prompt")
     if len(prompts) > limit:
@@ -271,11 +271,11 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
     obj = loads(body)
     model = obj.get("model") if isinstance(obj, dict) else None
     rt = runtimes.models.get(model) if isinstance(model, str) else None
-    if rt is not None and rt.scheduler is not None and rt.entry.context_length is not None:
-        limit = max(rt.entry.context_length, settings.max_prompts_per_request)
+    if isinstance(rt, TextRuntime):
+        limit = max(rt.context_length, settings.max_prompts_per_request)
         if _prompt_too_long(obj, limit):
             raise bad_request(f"prompt holds more token ids (or prompts) than this model's context of "
-                              f"{rt.entry.context_length} tokens", "prompt", code="context_length_exceeded")
+                              f"{rt.context_length} tokens", "prompt", code="context_length_exceeded")
     try:
         return CompletionRequest.model_validate(obj)
     except ValidationError as exc:
@@ -284,7 +284,7 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
 
 def _text_models_full(runtimes: Runtimes) -> None:
     """429 before the body is read when no text model could take a sequence (the model is named in the body)."""
-    schedulers = [rt.scheduler for rt in runtimes.models.values() if rt.scheduler is not None]
+    schedulers = [rt.scheduler for rt in runtimes.models.values() if isinstance(rt, TextRuntime)]
     if not schedulers:
         return
     for sched in schedulers:
@@ -301,6 +301,7 @@ def _text_models_full(runtimes: Runtimes) -> None:
              openapi_extra=COMPLETION_BODY,
              responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"},
                         **error_responses(False, MODEL_CALL)})
+@model_endpoint("completions")
 async def completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
@@ -309,14 +310,14 @@ async def completions(request: Request) -> Response:
         req = await read_completion(request, runtimes)
     except (ServiceError, RequestValidationError, HTTPException) as exc:
         if isinstance(exc, ServiceError):
-            count_refused(request.app, request.url.path, exc.status)
+            count_refused(request.app, request.scope, exc.status)
         raise
-    async with tracked(runtimes.metrics, runtimes.label(req.model), "completions", finish=False) as tracker:
-        rt = runtimes.get(req.model, "text-generation")
+    async with model_call(request, req.model, finish=False) as call:
+        tracker = call.tracker
+        rt = call.runtime(req.model, TextRuntime)
         _unsupported(req)
         prompts = prompts_of(req, rt, settings.max_prompts_per_request)
-        assert rt.scheduler is not None and rt.tokenizer is not None
-        context = rt.scheduler.context_length
+        context = rt.context_length
         changed = asyncio.Event()
         seqs = [GenSequence(p, sampling_params(req, len(p), context, settings.default_max_tokens), changed=changed)
                 for p in prompts]
@@ -326,23 +327,23 @@ async def completions(request: Request) -> Response:
             if req.stream:
                 # Wait for the first token before answering: a failure until then is still a proper HTTP error,
                 # and Server-Timing can tell the queue time.
-                await unless_disconnected(request, _first_update(seqs, changed))
-                request.state.timing.set(*_timing(seqs, "first_token"))
+                await call.wait(_first_update(seqs, changed))
+                call.timing(*_timing(seqs, "first_token"))
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 stream = _stream(rt, seqs, changed, meta, include_usage, tracker)
 
                 def cleanup() -> None:
                     for s in seqs:
-                        rt.scheduler.cancel(s)  # type: ignore[union-attr]
+                        rt.scheduler.cancel(s)
                     tracker.finish("cancelled")  # no-op if the stream ended normally
 
                 return _SSEResponse(stream, cleanup)
-            await unless_disconnected(request, _all_done(seqs, changed))
+            await call.wait(_all_done(seqs, changed))
         except BaseException:
             for s in seqs:
                 rt.scheduler.cancel(s)
             raise
-        request.state.timing.set(*_timing(seqs, "finished"))
+        call.timing(*_timing(seqs, "finished"))
         body = {
             **meta,
             "object": "text_completion",
@@ -390,9 +391,8 @@ async def _all_done(seqs: list[GenSequence], changed: asyncio.Event) -> None:
     _raise_errors(seqs)
 
 
-async def _stream(rt: ModelRuntime, seqs: list[GenSequence], changed: asyncio.Event, meta: dict[str, Any],
+async def _stream(rt: TextRuntime, seqs: list[GenSequence], changed: asyncio.Event, meta: dict[str, Any],
                   include_usage: bool, tracker: Tracker) -> AsyncIterator[bytes]:
-    assert rt.scheduler is not None and rt.tokenizer is not None
     streams = [TextStream(rt.tokenizer, s.params.stop) for s in seqs]
     sent_finish = [False] * len(seqs)
     base = {**meta, "object": "text_completion"}

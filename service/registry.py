@@ -14,49 +14,27 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models import registry as architectures
+from models.checkpoint import Checkpoint
+from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
 from models.tokenizer import ByteTokenizer
 from service.backends.base import Backend, BackendUnavailable
+from service.backends.checks import check_io
 from service.config import Settings
+from service.entry import SERVED_TASKS, ModelEntry
 from service.vision import Preprocess
 
 log = logging.getLogger(__name__)
 
-TASKS = {"deit": "image-classification", "gpt": "text-generation"}
 SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}
 AUTO_ORDER = ("onnxruntime", "torch", "tensorrt")
 
 
 class RegistryError(RuntimeError):
     """The directory cannot be served at all (one line for the user)."""
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    arch: str
-    backend: Backend
-    config: dict[str, Any]
-    labels: list[str] | None = None
-    preprocess: dict[str, Any] | None = None
-    tokenizer: dict[str, Any] | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    preprocessor: Preprocess | None = None  # built from `preprocess` when the model is loaded (validates it)
-    byte_tokenizer: ByteTokenizer | None = None  # likewise from `tokenizer`
-
-    @property
-    def task(self) -> str:
-        return TASKS[self.arch]
-
-    @property
-    def context_length(self) -> int | None:
-        return int(self.config["block_size"]) if self.arch == "gpt" else None
-
-    def describe(self) -> dict[str, Any]:
-        return {"task": self.task, **self.backend.describe()}
 
 
 def scan(model_dir: Path) -> dict[str, dict[str, Path]]:
@@ -77,22 +55,25 @@ def choose(files: dict[str, Path], wanted: str) -> str | None:
     return next((k for k in AUTO_ORDER if k in files and (k != "tensorrt" or wanted in ("auto", "tensorrt"))), None)
 
 
-def _engine_metadata(name: str, files: dict[str, Path], model_dir: Path) -> dict[str, Any]:
+def checkpoint_metadata(ckpt: Checkpoint) -> OnnxMetadata:
+    """The fields an exported file would carry, from a checkpoint."""
+    return OnnxMetadata(arch=ckpt.arch, config=dict(ckpt.config), labels=ckpt.labels, preprocess=ckpt.preprocess,
+                        tokenizer=ckpt.tokenizer)
+
+
+def _engine_metadata(name: str, files: dict[str, Path], model_dir: Path) -> OnnxMetadata:
     sidecar = model_dir / f"{name}.json"
     if sidecar.is_file():
-        return json.loads(sidecar.read_text())
+        return OnnxMetadata.from_dict(json.loads(sidecar.read_text()))
     if "onnxruntime" in files:
         import onnx
 
-        proto = onnx.load(str(files["onnxruntime"]), load_external_data=False)
-        return {p.key.removeprefix("multimax."): json.loads(p.value) for p in proto.metadata_props
-                if p.key.startswith("multimax.")}
+        return read_metadata(proto_props(onnx.load(str(files["onnxruntime"]), load_external_data=False)))
     if "torch" in files:
         from models.checkpoint import parse, read_file
 
         ckpt, _ = parse(read_file(files["torch"]), str(files["torch"]))
-        return {"arch": ckpt.arch, "config": ckpt.config, "labels": ckpt.labels, "preprocess": ckpt.preprocess,
-                "tokenizer": ckpt.tokenizer}
+        return checkpoint_metadata(ckpt)
     raise BackendUnavailable(f"{name}: an engine needs {name}.onnx, {name}.pt or {name}.json beside it for its "
                              "labels and preprocessing")
 
@@ -110,24 +91,21 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         from service.backends.torch import TorchBackend
 
         torch_backend = TorchBackend(path, settings.device, settings.torch_compile, settings.intra_op_threads)
-        ckpt = torch_backend.checkpoint
-        meta = {"arch": ckpt.arch, "config": ckpt.config, "labels": ckpt.labels, "preprocess": ckpt.preprocess,
-                "tokenizer": ckpt.tokenizer}
+        meta = checkpoint_metadata(torch_backend.checkpoint)
         backend = torch_backend
     else:
         from service.backends.tensorrt import TensorRTBackend
 
         meta = _engine_metadata(name, files, settings.model_dir)
-        backend = TensorRTBackend(path, str(meta.get("arch")), settings.trt_plugin_lib)
-    arch = meta.get("arch")
-    if arch not in TASKS:
-        raise BackendUnavailable(f"{path.name}: no multimax.arch metadata (got {arch!r}); not a MultiMax export?")
-    if arch == "deit" and not (meta.get("labels") and meta.get("preprocess")):
-        raise BackendUnavailable(f"{path.name}: a vision model needs labels and preprocess metadata")
-    if arch == "gpt" and not meta.get("tokenizer"):
-        raise BackendUnavailable(f"{path.name}: a text model needs tokenizer metadata")
-    entry = ModelEntry(name, arch, backend, dict(meta.get("config") or {}), meta.get("labels"),
-                       meta.get("preprocess"), meta.get("tokenizer"))
+        backend = TensorRTBackend(path, str(meta.arch), settings.trt_plugin_lib)
+    arch = meta.arch
+    if arch not in architectures.names():
+        raise BackendUnavailable(f"{path.name}: no {meta_key('arch')} metadata (got {arch!r}); not a MultiMax export?")
+    task = architectures.task_of(arch)
+    needs = SERVED_TASKS[task].metadata
+    if not all(getattr(meta, field) for field in needs):
+        raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(needs)} metadata")
+    entry = ModelEntry(name, arch, backend, dict(meta.config), meta.labels, meta.preprocess, meta.tokenizer)
     try:
         validate(entry, path.name)
     except BaseException:
@@ -146,27 +124,33 @@ def _positive_int(config: dict[str, Any], key: str, source: str) -> int:
 def validate(entry: ModelEntry, source: str) -> None:
     """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, config sizes against
     what the backend really computes (a mismatch would otherwise fail every request)."""
-    from service.backends.checks import check_io
-
-    if entry.arch == "deit":
-        try:
-            entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
-        labels = entry.labels
-        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
-            raise ValueError(f"{source}: labels must be a list of strings")
-    else:
-        try:
-            entry.byte_tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
-        _positive_int(entry.config, "block_size", source)
-        vocab = _positive_int(entry.config, "vocab_size", source)
-        if vocab != entry.byte_tokenizer.vocab_size:
-            raise ValueError(f"{source}: config vocab_size {vocab} differs from the tokenizer's "
-                             f"{entry.byte_tokenizer.vocab_size}")
+    _VALIDATE[architectures.task_of(entry.arch)](entry, source)
     check_io(entry, source)
+
+
+def _validate_vision(entry: ModelEntry, source: str) -> None:
+    try:
+        entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
+    labels = entry.labels
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise ValueError(f"{source}: labels must be a list of strings")
+
+
+def _validate_text(entry: ModelEntry, source: str) -> None:
+    try:
+        entry.byte_tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
+    _positive_int(entry.config, "block_size", source)
+    vocab = _positive_int(entry.config, "vocab_size", source)
+    if vocab != entry.byte_tokenizer.vocab_size:
+        raise ValueError(f"{source}: config vocab_size {vocab} differs from the tokenizer's "
+                         f"{entry.byte_tokenizer.vocab_size}")
+
+
+_VALIDATE = {architectures.VISION: _validate_vision, architectures.TEXT: _validate_text}
 
 
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:

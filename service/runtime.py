@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
+from models.registry import TEXT, VISION, Task
 from models.tokenizer import ByteTokenizer
+from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
+from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import ServiceError
 from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
-from service.registry import ModelEntry
 from service.vision import Preprocess
 
 log = logging.getLogger(__name__)
-ENDPOINTS = {"image-classification": ("classify", "infer"), "text-generation": ("completions", "infer")}
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -27,14 +29,14 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-@dataclass(eq=False)
-class ModelRuntime:
-    entry: ModelEntry
-    executor: ThreadPoolExecutor  # one thread: the model computes one call at a time, off the event loop
-    batcher: DynamicBatcher | None = None
-    scheduler: TextScheduler | None = None
-    preprocess: Preprocess | None = None
-    tokenizer: ByteTokenizer | None = None
+class _Runtime:
+    """One served model: its entry, the one thread it computes on, and its worker (batcher or decode loop)."""
+
+    worker: DynamicBatcher | TextScheduler
+
+    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor) -> None:
+        self.entry = entry
+        self.executor = executor  # one thread: the model computes one call at a time, off the event loop
 
     @property
     def name(self) -> str:
@@ -47,12 +49,45 @@ class ModelRuntime:
     @property
     def problem(self) -> str | None:
         """Why this model is not ready (its worker died or keeps failing), or None."""
-        worker = self.batcher or self.scheduler
-        return worker.problem if worker is not None else None
+        return self.worker.problem
+
+
+class VisionRuntime(_Runtime):
+    """An image classifier: requests' images go through its dynamic batcher."""
+
+    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(entry, executor)
+        assert isinstance(entry.backend, VisionBackend), "a vision model's backend runs vision"
+        self.backend: VisionBackend = entry.backend
+        self.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
+        self.labels: list[str] = entry.labels or []
+        self.batcher = self.worker = DynamicBatcher(entry.name, self.predict, executor, metrics,
+                                                    settings.max_batch_size, settings.max_queue_delay_ms / 1000,
+                                                    settings.max_queue_size)
 
     def predict(self, pixel_values: np.ndarray) -> np.ndarray:
         """The batch's logits (float32); classification turns them into probabilities with `softmax`."""
-        return self.entry.backend.run_vision(pixel_values).astype(np.float32, copy=False)
+        return self.backend.run_vision(pixel_values).astype(np.float32, copy=False)
+
+
+class TextRuntime(_Runtime):
+    """A text generator: requests' sequences join its continuous-batching decode loop."""
+
+    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(entry, executor)
+        assert isinstance(entry.backend, TextBackend), "a text model's backend runs text"
+        assert entry.context_length is not None
+        self.backend: TextBackend = entry.backend
+        self.tokenizer = entry.byte_tokenizer or ByteTokenizer.from_dict(entry.tokenizer or {})
+        self.context_length: int = entry.context_length
+        self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
+                                                     executor, metrics, settings.max_running_sequences,
+                                                     settings.max_waiting_sequences)
+
+
+ModelRuntime = VisionRuntime | TextRuntime
+_RUNTIMES: dict[Task, type[VisionRuntime] | type[TextRuntime]] = {VISION: VisionRuntime, TEXT: TextRuntime}
+R = TypeVar("R", VisionRuntime, TextRuntime)
 
 
 class Runtimes:
@@ -67,16 +102,16 @@ class Runtimes:
         self.ready = False
         for name, entry in entries.items():
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{name}")
-            rt = ModelRuntime(entry, executor)
-            if entry.arch == "deit":
-                rt.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
-            else:
-                rt.tokenizer = entry.byte_tokenizer or ByteTokenizer.from_dict(entry.tokenizer or {})
+            rt = _RUNTIMES[entry.kind](entry, executor, settings, metrics)
             self.models[name] = rt
-            metrics.init_model(name, ENDPOINTS[entry.task])
-            metrics.model_ready.labels(name).set_function(lambda rt=rt: float(self.ready and rt.problem is None))
+            metrics.init_model(name, entry.served.endpoints)
+            metrics.model_ready.labels(name).set_function(self._readiness(rt))
         for name in self.skipped:
             metrics.model_ready.labels(name).set(0)
+
+    def _readiness(self, rt: ModelRuntime) -> Callable[[], float]:
+        """multimax_model_ready of one model: 1 while the server serves and its worker is healthy."""
+        return lambda: float(self.ready and rt.problem is None)
 
     def problems(self) -> dict[str, str]:
         """Every model that is not ready, and why (skipped at startup, worker died, keeps failing)."""
@@ -87,28 +122,15 @@ class Runtimes:
         return out
 
     def start(self) -> None:
-        s = self.settings
         for rt in self.models.values():
-            if rt.task == "image-classification":
-                rt.batcher = DynamicBatcher(rt.name, rt.predict, rt.executor, self.metrics, s.max_batch_size,
-                                            s.max_queue_delay_ms / 1000, s.max_queue_size)
-                rt.batcher.start()
-            else:
-                assert rt.tokenizer is not None and rt.entry.context_length is not None
-                rt.scheduler = TextScheduler(rt.name, rt.entry.backend, rt.tokenizer, rt.entry.context_length,
-                                             rt.executor, self.metrics, s.max_running_sequences,
-                                             s.max_waiting_sequences)
-                rt.scheduler.start()
+            rt.worker.start()
         self.ready = True
 
     async def stop(self) -> None:
         """Finish queued and running work (new work is refused meanwhile), then release the models."""
         self.ready = False
         for rt in self.models.values():
-            if rt.batcher is not None:
-                await rt.batcher.close()
-            if rt.scheduler is not None:
-                await rt.scheduler.close()
+            await rt.worker.close()
         for rt in self.models.values():
             rt.executor.shutdown(wait=True)
             rt.entry.backend.close()
@@ -118,10 +140,9 @@ class Runtimes:
         these: the process cannot recover them, a supervisor should replace it)."""
         if not self.ready:
             return []  # not started yet, or stopping: the loops end on purpose
-        return [rt.name for rt in self.models.values()
-                if (loop := rt.batcher or rt.scheduler) is not None and not loop.alive]
+        return [rt.name for rt in self.models.values() if not rt.worker.alive]
 
-    def get(self, name: str, task: str | None = None) -> ModelRuntime:
+    def get(self, name: str) -> ModelRuntime:
         rt = self.models.get(name)
         if rt is None and name in self.skipped:
             raise ServiceError(404, f"model {name!r} is not served: it failed to load ({self.skipped[name]})",
@@ -129,8 +150,14 @@ class Runtimes:
         if rt is None:
             raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
                                code="model_not_found", param="model")
-        if task is not None and rt.task != task:
-            raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {task}", code="wrong_task",
+        return rt
+
+    def typed(self, name: str, kind: type[R]) -> R:
+        """The runtime of `name`, which must be of `kind` (a 400 naming both tasks otherwise)."""
+        rt = self.get(name)
+        if not isinstance(rt, kind):
+            want = SERVED_TASKS[VISION if kind is VisionRuntime else TEXT].name
+            raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {want}", code="wrong_task",
                                param="model")
         return rt
 

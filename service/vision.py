@@ -65,7 +65,7 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))  # reads the header only
+            image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only
             width, height = image.size
             if width * height > max_pixels:
                 raise ServiceError(422, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels",

@@ -13,7 +13,7 @@ import torch
 
 from models.checkpoint import load
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
-from models.gpt import generate
+from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.training.digit_inputs import VARIANTS, variant_accuracies
 from models.training.fingerprint import training_fingerprint

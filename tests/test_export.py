@@ -14,10 +14,11 @@ import torch
 
 from export import validate
 from export.cli import main, trt_unavailable
-from export.onnx_export import VISION_INPUT, VISION_OUTPUT, export_vision
+from export.onnx_export import export_vision
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
+from models.onnx_contract import VISION_INPUT, VISION_OUTPUT
 from models.tokenizer import ByteTokenizer
 
 

@@ -7,18 +7,15 @@ import math
 import pytest
 import torch
 
+from models.generate import generate, left_pad, sample_next, top_p_filter
 from models.gpt import (
     GPT,
     GPT_PRESETS,
     GPTConfig,
     KVCache,
     adapt_state_dict,
-    generate,
     infer_config,
-    left_pad,
-    sample_next,
     set_paper_params,
-    top_p_filter,
 )
 from models.loading import CheckpointError
 from models.multimax import PAPER_TABLE_8, Modulation, attention_probs, paper_params, sigma

@@ -23,14 +23,15 @@ from onnx import TensorProto, helper
 
 from export import validate
 from export.fused_check import compare_fused
-from export.onnx_export import VISION_INPUT, export_text, export_vision
-from export.onnx_functions import function_protos
+from export.onnx_export import export_text, export_vision
 from models.checkpoint import Checkpoint, load
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
-from models.gpt import generate
+from models.generate import generate
 from models.multimax import multimax, paper_params, sigma
+from models.onnx_contract import VISION_INPUT
 from plugins import ort_ops
+from plugins.onnx_functions import function_protos
 from plugins.ort_ops.__main__ import main as ort_ops_main
 from service.backends.onnxruntime import OnnxRuntimeBackend
 

@@ -29,7 +29,7 @@ from PIL import Image
 
 from models.checkpoint import load
 from models.demo import DEMO_DIR
-from models.gpt import generate
+from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.training.vision import digits_split
 from plugins import ort_ops

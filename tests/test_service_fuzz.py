@@ -20,7 +20,7 @@ from service.classify import _images_json
 from service.config import Settings
 from service.errors import ServiceError
 from service.jsonio import loads
-from service.kserve import DTYPES, decode_tensors
+from service.kserve_codec import DTYPES, decode_tensors
 from service.vision import Preprocess, load_and_preprocess
 
 EXAMPLES = 150

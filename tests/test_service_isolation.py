@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from models.checkpoint import load
 from models.demo import DEMO_DIR
-from models.gpt import generate
+from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from service.app import create_app
 from service.backends.onnxruntime import OnnxRuntimeBackend

@@ -21,7 +21,7 @@ from service import classify as classify_module
 from service.app import create_app
 from service.config import Settings
 from service.errors import ServiceError
-from service.kserve import decode_tensors
+from service.kserve_codec import decode_tensors
 from service.vision import Preprocess, preprocess
 
 

@@ -86,7 +86,9 @@ def ensure_demos(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> Path:
 
 def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     from models.checkpoint import load
-    from models.gpt import generate
+    from models.deit import DeiT
+    from models.generate import generate
+    from models.gpt import GPT
     from models.tokenizer import ByteTokenizer
     from models.training.vision import accuracy, digits_split, normalize
 
@@ -95,6 +97,7 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     print(f"image classification: {len(y_test)} held-out digits (scikit-learn, upscaled to 32x32)")
     for name in (VISION_MULTIMAX, VISION_SOFTMAX):
         model, ckpt, _ = load(demo_dir / name)
+        assert isinstance(model, DeiT) and ckpt.labels is not None
         start = time.perf_counter()
         acc = accuracy(model, x_test, y_test)
         ms = (time.perf_counter() - start) * 1000 / len(y_test)
@@ -105,6 +108,7 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     print(f"  true labels of the first 5: {' '.join(str(int(y)) for y in y_test[:5])}")
 
     model, ckpt, _ = load(demo_dir / TEXT_MULTIMAX)
+    assert isinstance(model, GPT)
     tok = ByteTokenizer.from_dict(ckpt.tokenizer or {})
     bpb = ckpt.meta.get("metrics", {}).get("heldout_bpb")
     print(f"\ntext generation: {TEXT_MULTIMAX} (held-out {bpb:.3f} bits/byte), temperature 0.8, seed 0")

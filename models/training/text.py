@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from models.gpt import GPT, GPTConfig, generate
+from models.generate import generate
+from models.gpt import GPT, GPTConfig
 from models.tokenizer import ByteTokenizer
 
 # Tests and vendored packages are skipped: repetitive, and not part of every install.

@@ -22,7 +22,7 @@ SRC = Path(__file__).parent / "src"
 COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-Wall"]
 # Row kernels per instruction set; the x86 fast paths are compiled for any x86-64 compiler target and
 # only run where the CPU reports the features (multimax_ops.cc checks at run time).
-UNITS = {"multimax_ops.cc": [], "rows_portable.cc": []}
+UNITS: dict[str, list[str]] = {"multimax_ops.cc": [], "rows_portable.cc": []}
 X86_UNITS = {"rows_avx2.cc": ["-mavx2", "-mfma"], "rows_avx512.cc": ["-mavx512f", "-mfma"]}
 COMPILE_TIMEOUT_S = 300
 log = logging.getLogger(__name__)

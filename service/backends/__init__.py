@@ -1,5 +1,6 @@
-"""Backends behind one interface (`Backend`): ONNX Runtime, TensorRT, PyTorch."""
+"""Backends behind one interface (`Backend`; per task `VisionBackend`, `TextBackend`): ONNX Runtime, TensorRT,
+PyTorch."""
 
-from service.backends.base import Backend, BackendUnavailable, Past, TensorSpec
+from service.backends.base import Backend, BackendUnavailable, Past, TensorSpec, TextBackend, VisionBackend
 
-__all__ = ["Backend", "BackendUnavailable", "Past", "TensorSpec"]
+__all__ = ["Backend", "BackendUnavailable", "Past", "TensorSpec", "TextBackend", "VisionBackend"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,23 +28,12 @@ class TensorSpec:
 
 
 class Backend(ABC):
+    """What every backend is, whatever its task: `VisionBackend` and `TextBackend` say what it runs."""
+
     kind: str  # "onnxruntime" | "tensorrt" | "torch"
     platform: str  # KServe/Triton platform name
     provider: str  # what really executes: an ORT execution provider, "cuda", "cpu", ...
-    arch: str  # "deit" | "gpt"
-
-    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        """(B, C, H, W) float32 -> logits (B, classes) float32."""
-        raise NotImplementedError(f"{self.kind} backend does not run vision models")
-
-    def run_text(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
-    ) -> tuple[Any, Past]:
-        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new)."""
-        raise NotImplementedError(f"{self.kind} backend does not run text models")
-
-    def empty_past(self, batch: int) -> Past:
-        raise NotImplementedError(f"{self.kind} backend does not run text models")
+    arch: str  # an architecture of models.registry
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -52,3 +41,45 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing that needs closing
         pass
+
+
+class VisionBackend(Backend):
+    """Runs an image classifier."""
+
+    @abstractmethod
+    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
+        """(B, C, H, W) float32 -> logits (B, classes) float32."""
+
+
+class TextBackend(Backend):
+    """Runs a decoder with a KV cache."""
+
+    @abstractmethod
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[Any, Past]:
+        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new)."""
+
+    @abstractmethod
+    def empty_past(self, batch: int) -> Past:
+        """A cache of length 0 for `batch` rows, in the backend's array type."""
+
+    def to_numpy(self, logits: Any) -> np.ndarray:
+        """Logits in the backend's array type -> float32 numpy (what the protocols see)."""
+        return np.asarray(logits, dtype=np.float32)
+
+    def forward_stateless(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Logits (B, T, V) float32 of one forward from an empty cache (left padding masked)."""
+        positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
+        logits, _ = self.run_text(input_ids, attention_mask, positions, self.empty_past(len(input_ids)))
+        return self.to_numpy(logits)
+
+
+class TextModel(Protocol):
+    """What the decode loop calls: a `TextBackend`, or anything with its two methods (test doubles)."""
+
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[Any, Past]: ...
+
+    def empty_past(self, batch: int) -> Past: ...

@@ -7,10 +7,11 @@ startup instead, with the mismatch named. Dimensions the backend leaves dynamic 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from service.registry import ModelEntry
+from models import registry as architectures
+from models.onnx_contract import LOGITS, PAST_PREFIX, PIXEL_VALUES
+from service.entry import ModelEntry
 
 
 def _static(dims: Any) -> list[int | None]:
@@ -29,7 +30,8 @@ def _compare(source: str, what: str, got: list[int | None], want: list[int | Non
 
 def check_io(entry: ModelEntry, source: str) -> None:
     cfg = entry.config
-    if entry.arch == "deit":
+    vision = entry.kind == architectures.VISION
+    if vision:
         assert entry.preprocessor is not None
         classes = len(entry.labels or [])
         if isinstance(cfg.get("num_classes"), int) and cfg["num_classes"] != classes:
@@ -42,14 +44,14 @@ def check_io(entry: ModelEntry, source: str) -> None:
         return
     inputs = {i.name: _static(i.shape) for i in session.get_inputs()}
     outputs = {o.name: _static(o.shape) for o in session.get_outputs()}
-    if entry.arch == "deit":
+    if vision:
         assert entry.preprocessor is not None
-        _compare(source, "input pixel_values", inputs.get("pixel_values", []), [None, *entry.preprocessor.shape])
-        _compare(source, "output logits", outputs.get("logits", []), [None, len(entry.labels or [])])
+        _compare(source, f"input {PIXEL_VALUES}", inputs.get(PIXEL_VALUES, []), [None, *entry.preprocessor.shape])
+        _compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, len(entry.labels or [])])
     else:
-        _compare(source, "output logits", outputs.get("logits", []), [None, None, int(cfg["vocab_size"])])
+        _compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, None, int(cfg["vocab_size"])])
         n_head, n_embd = cfg.get("n_head"), cfg.get("n_embd")
         if isinstance(n_head, int) and isinstance(n_embd, int) and n_head > 0:
             for name, dims in inputs.items():
-                if name.startswith("past_key_values."):
+                if name.startswith(PAST_PREFIX):
                     _compare(source, f"input {name}", dims, [None, n_head, None, n_embd // n_head])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,23 +9,21 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from models import registry as architectures
+from models.onnx_contract import (
+    LOGITS,
+    PIXEL_VALUES,
+    OnnxMetadata,
+    past_names,
+    present_names,
+    read_metadata,
+    text_feeds,
+)
 from plugins import ort_ops
-from service.backends.base import Backend, BackendUnavailable, Past
+from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import onnxruntime_providers
 
 log = logging.getLogger(__name__)
-
-
-def read_metadata(session: ort.InferenceSession) -> dict[str, Any]:
-    """The exporter's `multimax.*` metadata_props, JSON-decoded, without the prefix."""
-    out: dict[str, Any] = {}
-    for key, value in session.get_modelmeta().custom_metadata_map.items():
-        if key.startswith("multimax."):
-            try:
-                out[key.removeprefix("multimax.")] = json.loads(value)
-            except json.JSONDecodeError:
-                out[key.removeprefix("multimax.")] = value
-    return out
 
 
 def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
@@ -42,59 +39,21 @@ def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
     return {"in_use": False, "reason": ort_ops.library().reason}
 
 
-class OnnxRuntimeBackend(Backend):
+class _OrtBackend(Backend):
+    """One onnxruntime session of an exported file; the subclasses run it for their task."""
+
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"
 
-    def __init__(
-        self,
-        path: Path,
-        intra_op_threads: int = 0,
-        inter_op_threads: int = 0,
-        providers: tuple[str, ...] = (),
-        spinning: bool = False,
-    ) -> None:
-        self.path = path
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = inter_op_threads
-        value = "1" if spinning else "0"
-        options.add_session_config_entry("session.intra_op.allow_spinning", value)
-        options.add_session_config_entry("session.inter_op.allow_spinning", value)
-        options.log_severity_level = 3  # errors only: providers are chosen so that there are none to warn about
-        if providers:
-            unknown = [p for p in providers if p not in ort.get_available_providers()]
-            if unknown:
-                raise BackendUnavailable(f"onnxruntime has no provider(s) {', '.join(unknown)}")
-            requested, why = providers, ""
-        else:
-            requested, why = onnxruntime_providers()
-        # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
-        self.fused_multimax = fused_ops_state(path, options) if list(requested) == ["CPUExecutionProvider"] else None
-        try:
-            self.session = ort.InferenceSession(str(path), sess_options=options, providers=list(requested))
-        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
-            raise BackendUnavailable(f"{path.name}: onnxruntime cannot load it: {str(exc).splitlines()[0]}") from None
-        self.provider = self.session.get_providers()[0]
+    def __init__(self, path: Path, session: ort.InferenceSession, metadata: OnnxMetadata,
+                 fused_multimax: dict[str, Any] | None) -> None:
+        self.path, self.session, self.metadata = path, session, metadata
+        self.fused_multimax = fused_multimax
+        self.provider = session.get_providers()[0]
         self.gpu = self.provider != "CPUExecutionProvider"
-        if why and not providers:
-            log.info("%s: %s (%s)", path.name, self.provider, why)
-        self.metadata = read_metadata(self.session)
-        self.arch = str(self.metadata.get("arch", ""))
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
-        if self.arch == "gpt":
-            cfg = self.metadata.get("config") or {}
-            self.n_layer, self.n_head = int(cfg["n_layer"]), int(cfg["n_head"])
-            self.head_dim = int(cfg["n_embd"]) // self.n_head
-            self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.n_layer)]
-            self.present_names = [n for i in range(self.n_layer) for n in (f"present.{i}.key", f"present.{i}.value")]
-            missing = [n for pair in self.past_names for n in pair if n not in self.input_names]
-            if missing:
-                raise BackendUnavailable(f"{path.name}: text model without KV-cache inputs ({missing[0]} missing)")
-            past_type = next(i.type for i in self.session.get_inputs() if i.name == self.past_names[0][0])
-            self.past_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
+        self.arch = metadata.arch or ""
+        self.input_names = [i.name for i in session.get_inputs()]
+        self.output_names = [o.name for o in session.get_outputs()]
 
     def _run(self, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
         if not self.gpu:
@@ -108,22 +67,76 @@ class OnnxRuntimeBackend(Backend):
         self.session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()
 
+    def describe(self) -> dict[str, Any]:
+        out = {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+        return out | {"fused_multimax": self.fused_multimax or {"in_use": False, "reason": "not a CPU-only session"}}
+
+
+class OrtVisionBackend(_OrtBackend, VisionBackend):
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        return self._run({"pixel_values": pixel_values}, ["logits"])[0]
+        return self._run({PIXEL_VALUES: pixel_values}, [LOGITS])[0]
+
+
+class OrtTextBackend(_OrtBackend, TextBackend):
+    def __init__(self, path: Path, session: ort.InferenceSession, metadata: OnnxMetadata,
+                 fused_multimax: dict[str, Any] | None) -> None:
+        super().__init__(path, session, metadata, fused_multimax)
+        cfg = metadata.config
+        self.n_layer, self.n_head = int(cfg["n_layer"]), int(cfg["n_head"])
+        self.head_dim = int(cfg["n_embd"]) // self.n_head
+        self.past_names = past_names(self.n_layer)
+        self.present_names = present_names(self.n_layer)
+        missing = [n for pair in self.past_names for n in pair if n not in self.input_names]
+        if missing:
+            raise BackendUnavailable(f"{path.name}: text model without KV-cache inputs ({missing[0]} missing)")
+        past_type = next(i.type for i in session.get_inputs() if i.name == self.past_names[0][0])
+        self.past_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
 
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
     ) -> tuple[np.ndarray, Past]:
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        for (k_name, v_name), (k, v) in zip(self.past_names, past, strict=True):
-            feeds[k_name], feeds[v_name] = k, v
-        out = self._run(feeds, ["logits", *self.present_names])
+        if len(past) != self.n_layer:
+            raise ValueError(f"past of {len(past)} layers for a model of {self.n_layer}")
+        out = self._run(text_feeds(input_ids, attention_mask, position_ids, past), [LOGITS, *self.present_names])
         return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.n_layer)]
 
     def empty_past(self, batch: int) -> Past:
         shape = (batch, self.n_head, 0, self.head_dim)
         return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for _ in range(self.n_layer)]
 
-    def describe(self) -> dict[str, Any]:
-        out = {"backend": self.kind, "provider": self.provider, "file": self.path.name}
-        return out | {"fused_multimax": self.fused_multimax or {"in_use": False, "reason": "not a CPU-only session"}}
+
+def OnnxRuntimeBackend(
+    path: Path,
+    intra_op_threads: int = 0,
+    inter_op_threads: int = 0,
+    providers: tuple[str, ...] = (),
+    spinning: bool = False,
+) -> OrtVisionBackend | OrtTextBackend:
+    """The exported file in an onnxruntime session with the providers this machine really has, as the backend
+    of its task (from the file's metadata)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = inter_op_threads
+    value = "1" if spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", value)
+    options.add_session_config_entry("session.inter_op.allow_spinning", value)
+    options.log_severity_level = 3  # errors only: providers are chosen so that there are none to warn about
+    if providers:
+        unknown = [p for p in providers if p not in ort.get_available_providers()]
+        if unknown:
+            raise BackendUnavailable(f"onnxruntime has no provider(s) {', '.join(unknown)}")
+        requested, why = providers, ""
+    else:
+        requested, why = onnxruntime_providers()
+    # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
+    fused = fused_ops_state(path, options) if list(requested) == ["CPUExecutionProvider"] else None
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=list(requested))
+    except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
+        raise BackendUnavailable(f"{path.name}: onnxruntime cannot load it: {str(exc).splitlines()[0]}") from None
+    if why and not providers:
+        log.info("%s: %s (%s)", path.name, session.get_providers()[0], why)
+    metadata = read_metadata(session.get_modelmeta().custom_metadata_map)
+    cls = OrtTextBackend if architectures.task_or_none(metadata.arch) == architectures.TEXT else OrtVisionBackend
+    return cls(path, session, metadata, fused)

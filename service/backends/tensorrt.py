@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from models import registry as architectures
+from models.onnx_contract import LOGITS, PIXEL_VALUES
 from plugins.trt_plugin import tensorrt_unavailable
-from service.backends.base import Backend, BackendUnavailable
+from service.backends.base import BackendUnavailable, VisionBackend
 
 log = logging.getLogger(__name__)
 PLUGIN_ENV = "MULTIMAX_TRT_PLUGIN_LIB"
@@ -58,7 +60,7 @@ def register_plugins(explicit_lib: str = "") -> str:
     return ", ".join(done) or "no plugin registration"
 
 
-class TensorRTBackend(Backend):
+class TensorRTBackend(VisionBackend):
     kind = "tensorrt"
     platform = "tensorrt_plan"
 
@@ -66,7 +68,7 @@ class TensorRTBackend(Backend):
         why = tensorrt_unavailable()
         if why:
             raise BackendUnavailable(f"{path.name}: TensorRT unavailable: {why}")
-        if arch != "deit":
+        if architectures.task_or_none(arch) != architectures.VISION:
             raise BackendUnavailable(f"{path.name}: the TensorRT backend serves vision engines only (arch {arch})")
         import tensorrt as trt
         import torch
@@ -88,16 +90,16 @@ class TensorRTBackend(Backend):
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if n not in self.inputs]
-        if self.inputs != ["pixel_values"] or "logits" not in self.outputs:
-            raise BackendUnavailable(f"{path.name}: expected input pixel_values and output logits, got "
+        if self.inputs != [PIXEL_VALUES] or LOGITS not in self.outputs:
+            raise BackendUnavailable(f"{path.name}: expected input {PIXEL_VALUES} and output {LOGITS}, got "
                                      f"{self.inputs} -> {self.outputs}")
 
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
         torch = self.torch
         with self.lock, torch.cuda.stream(self.stream):
             x = torch.from_numpy(pixel_values).to("cuda", non_blocking=True)
-            self.context.set_input_shape("pixel_values", tuple(x.shape))
-            self.context.set_tensor_address("pixel_values", x.data_ptr())
+            self.context.set_input_shape(PIXEL_VALUES, tuple(x.shape))
+            self.context.set_tensor_address(PIXEL_VALUES, x.data_ptr())
             out = {}
             for name in self.outputs:
                 shape = tuple(self.context.get_tensor_shape(name))
@@ -105,7 +107,7 @@ class TensorRTBackend(Backend):
                 self.context.set_tensor_address(name, out[name].data_ptr())
             if not self.context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT execution failed")
-            logits = out["logits"].cpu()  # synchronises the stream
+            logits = out[LOGITS].cpu()  # synchronises the stream
         return logits.numpy()
 
     def describe(self) -> dict[str, Any]:

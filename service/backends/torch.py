@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
-from models.deit import DeiT
-from models.gpt import GPT, KVCache
+from models.gpt import GPTConfig, KVCache
 from models.loading import CheckpointError, check_keys
-from service.backends.base import Backend, BackendUnavailable, Past
+from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
 
 log = logging.getLogger(__name__)
@@ -25,68 +27,67 @@ def check_sizes(ckpt: Checkpoint, source: str) -> None:
     """The config must describe exactly the weights, checked before any real memory is allocated: a config
     that claims more layers than the file holds is refused from the keys alone, then the model is built on
     torch's meta device (shapes without storage) and every weight's shape compared."""
-    depth_key = "depth" if ckpt.arch == "deit" else "n_layer"
+    arch = architectures.get(ckpt.arch)
+    depth_key = arch.depth_key
     layers = {k.split(".")[1] for k in ckpt.state_dict if k.startswith("blocks.") and k.count(".") > 1}
     claimed = ckpt.config.get(depth_key)
     if not isinstance(claimed, int) or claimed != len(layers):
         raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {len(layers)} layers")
     config = config_of(ckpt)
     with torch.device("meta"):
-        skeleton = DeiT(config) if ckpt.arch == "deit" else GPT(config)  # type: ignore[arg-type]
+        skeleton = arch.model(config)
     check_keys({k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, ckpt.state_dict, source)
 
 
-class TorchBackend(Backend):
+class _TorchBackend(Backend):
+    """The checkpoint's model in PyTorch (eager or torch.compile); the subclasses run it for their task."""
+
     kind = "torch"
     platform = "pytorch_libtorch"
 
-    def __init__(self, path: Path, device: str = "auto", compile: bool = False, intra_op_threads: int = 0) -> None:
-        self.path = path
-        if device == "cuda" and not torch_cuda_available():
-            raise BackendUnavailable("device cuda asked for, but PyTorch sees no CUDA device")
-        self.device = torch.device("cuda" if device in ("auto", "cuda") and torch_cuda_available() else "cpu")
-        if intra_op_threads:
-            with _threads_lock:  # process-wide in PyTorch: the last model loaded sets it, which is the same value
-                torch.set_num_threads(intra_op_threads)
-        try:
-            ckpt, _ = parse(read_file(path), str(path))
-            check_sizes(ckpt, path.name)
-            model = build_model(ckpt, str(path))
-        except CheckpointError as exc:
-            raise BackendUnavailable(str(exc)) from None
-        self.checkpoint: Checkpoint = ckpt
+    def __init__(self, path: Path, ckpt: Checkpoint, model: nn.Module, device: torch.device, compile: bool) -> None:
+        self.path, self.checkpoint, self.device = path, ckpt, device
         self.arch = ckpt.arch
-        self.model = model.to(self.device).eval()
+        self.model = model.to(device).eval()
         self.compiled = compile
         # dynamic=True: batch size and sequence length change from call to call; one graph serves all.
-        self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
-        self.provider = f"{self.device.type}{' (torch.compile)' if compile else ' (eager)'}"
+        self.forward: Callable[..., Any] = torch.compile(self.model, dynamic=True) if compile else self.model
+        self.provider = f"{device.type}{' (torch.compile)' if compile else ' (eager)'}"
         self.config = ckpt.config
         if compile:
-            self._warm_up()
+            try:
+                self._warm_up()
+            except Exception as exc:  # inductor raises many types (no C++ compiler, unsupported op, ...)
+                first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+                raise BackendUnavailable(f"{path.name}: torch.compile failed: {first}") from None
 
     def _warm_up(self) -> None:
         """Compile now (a first request would otherwise wait for it, or fail on a machine without a compiler)."""
-        try:
-            if self.arch == "deit":
-                c, size = int(self.config["in_chans"]), int(self.config["img_size"])
-                for batch in (1, 2):
-                    self.run_vision(np.zeros((batch, c, size, size), np.float32))
-            else:
-                for batch, length in ((1, 3), (2, 5)):
-                    ids = np.zeros((batch, length), np.int64)
-                    mask = np.ones_like(ids)
-                    positions = np.broadcast_to(np.arange(length), ids.shape).copy()
-                    _, past = self.run_text(ids, mask, positions, self.empty_past(batch))
-                    self.run_text(ids[:, :1], np.ones((batch, length + 1), np.int64), positions[:, :1] + length, past)
-        except Exception as exc:  # inductor raises many types (no C++ compiler, unsupported op, ...)
-            first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-            raise BackendUnavailable(f"{self.path.name}: torch.compile failed: {first}") from None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+
+
+class TorchVisionBackend(_TorchBackend, VisionBackend):
+    def _warm_up(self) -> None:
+        c, size = int(self.config["in_chans"]), int(self.config["img_size"])
+        for batch in (1, 2):
+            self.run_vision(np.zeros((batch, c, size, size), np.float32))
 
     @torch.inference_mode()
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(pixel_values).to(self.device)
         return self.forward(x).float().cpu().numpy()
+
+
+class TorchTextBackend(_TorchBackend, TextBackend):
+    def _warm_up(self) -> None:
+        for batch, length in ((1, 3), (2, 5)):
+            ids = np.zeros((batch, length), np.int64)
+            mask = np.ones_like(ids)
+            positions = np.broadcast_to(np.arange(length), ids.shape).copy()
+            _, past = self.run_text(ids, mask, positions, self.empty_past(batch))
+            self.run_text(ids[:, :1], np.ones((batch, length + 1), np.int64), positions[:, :1] + length, past)
 
     @torch.inference_mode()
     def run_text(
@@ -98,10 +99,28 @@ class TorchBackend(Backend):
         logits, presents = self.forward(dev(input_ids), dev(position_ids), dev(attention_mask), list(past))
         return logits.float(), list(presents)
 
-    def empty_past(self, batch: int) -> Past:
-        from models.gpt import GPTConfig
+    def to_numpy(self, logits: Any) -> np.ndarray:
+        return logits.float().cpu().numpy()
 
+    def empty_past(self, batch: int) -> Past:
         return KVCache.empty(GPTConfig.from_dict(self.config), batch, device=self.device).layers
 
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+
+def TorchBackend(
+    path: Path, device: str = "auto", compile: bool = False, intra_op_threads: int = 0
+) -> TorchVisionBackend | TorchTextBackend:
+    """The checkpoint at `path`, checked against its config and loaded, as the backend of its task."""
+    if device == "cuda" and not torch_cuda_available():
+        raise BackendUnavailable("device cuda asked for, but PyTorch sees no CUDA device")
+    where = torch.device("cuda" if device in ("auto", "cuda") and torch_cuda_available() else "cpu")
+    if intra_op_threads:
+        with _threads_lock:  # process-wide in PyTorch: the last model loaded sets it, which is the same value
+            torch.set_num_threads(intra_op_threads)
+    try:
+        ckpt, _ = parse(read_file(path), str(path))
+        check_sizes(ckpt, path.name)
+        model = build_model(ckpt, str(path))
+    except CheckpointError as exc:
+        raise BackendUnavailable(str(exc)) from None
+    cls = TorchTextBackend if architectures.task_of(ckpt.arch) == architectures.TEXT else TorchVisionBackend
+    return cls(path, ckpt, model, where, compile)

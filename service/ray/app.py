@@ -10,10 +10,10 @@ for Ray's own tools:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from service.config import Settings
 from service.ray.metrics import MetricsHub
@@ -25,11 +25,14 @@ HUB_DEPLOYMENT = "MultimaxMetrics"
 
 
 def build_app(settings: Settings, scale: ScaleOptions) -> Application:
-    hub = serve.deployment(MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
-                           max_ongoing_requests=1000, logging_config={"enable_access_log": False})
-    service = serve.deployment(ServiceIngress, name=SERVICE_DEPLOYMENT, **scale.deployment_options(settings),
-                               logging_config={"enable_access_log": settings.access_log,
-                                               "log_level": settings.log_level.upper()})
+    # (mypy resolves serve.deployment's overloads to the decorator form; these calls are the class form)
+    hub = cast(Deployment, serve.deployment(MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1,
+                                            ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                                            logging_config={"enable_access_log": False}))
+    service = cast(Deployment, serve.deployment(ServiceIngress, name=SERVICE_DEPLOYMENT,
+                                                **scale.deployment_options(settings),
+                                                logging_config={"enable_access_log": settings.access_log,
+                                                                "log_level": settings.log_level.upper()}))
     return service.bind(settings, hub.bind(expire_s=max(15.0, 10 * scale.metrics_push_s)), scale.metrics_push_s)
 
 

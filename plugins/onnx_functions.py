@@ -16,7 +16,7 @@ from __future__ import annotations
 import onnx
 from onnx import AttributeProto, helper
 
-from models.multimax import ONNX_DOMAIN
+from models.onnx_contract import ONNX_DOMAIN
 
 FUNCTION_NAMES = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 ATTRIBUTES = ("ranges", "ts", "order", "plugin_name", "plugin_version", "plugin_namespace")

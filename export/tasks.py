@@ -1,0 +1,61 @@
+"""What export does per task (the export side of `models.registry`): how a model of that task is traced to
+ONNX, validated against PyTorch, and described in the summary. Keyed by task, so a new architecture of an
+existing task needs nothing here; a new task adds one entry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from export.onnx_export import export_text, export_vision
+from export.progress import Phases
+from export.samples import default_samples
+from export.validate import Tolerance, validate_text, validate_vision
+from models import registry
+from models.checkpoint import Checkpoint
+from models.deit import DeiT
+from models.gpt import GPT
+
+# (model, checkpoint, out, opset=, inline=, precision=, verbose=) -> the written path
+Exporter = Callable[..., Path]
+
+
+def _validate_vision(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
+                     batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
+    assert isinstance(model, DeiT), f"a vision export needs a DeiT, got {type(model).__name__}"
+    samples = samples or default_samples(model, ckpt.config, batch_sizes)
+    return validate_vision(model, out, ckpt.config, samples=samples, batch_sizes=batch_sizes, tolerance=tolerance,
+                           phases=phases)
+
+
+def _validate_text(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
+                   batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
+    assert isinstance(model, GPT), f"a text export needs a GPT, got {type(model).__name__}"
+    return validate_text(model, out, samples=samples or 100, tolerance=tolerance, phases=phases)
+
+
+@dataclass(frozen=True)
+class ExportTask:
+    export: Exporter
+    # (model, out, checkpoint, samples or None, batch sizes, tolerance, phases) -> validation report
+    validate: Callable[[nn.Module, Path, Checkpoint, int | None, tuple[int, ...], Tolerance, Phases], dict[str, Any]]
+    agreement_key: str  # the validation report's top-1 agreement field
+    shapes: Callable[[dict[str, Any]], str]  # the summary's description of the validated input shapes
+    greedy_checked: bool  # whether validation compares greedy generations
+
+
+EXPORT_TASKS: dict[registry.Task, ExportTask] = {
+    registry.VISION: ExportTask(export_vision, _validate_vision, "top1_agreement",
+                                lambda v: f"batch sizes {v['batch_sizes']}", greedy_checked=False),
+    registry.TEXT: ExportTask(export_text, _validate_text, "next_token_agreement",
+                              lambda v: f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8",
+                              greedy_checked=True),
+}
+
+
+def export_task(arch: str) -> ExportTask:
+    return EXPORT_TASKS[registry.task_of(arch)]

@@ -1,0 +1,194 @@
+"""Sampling and stopping, shared by the model package and the server (in the manner of gpt-fast's generate.py).
+
+- `top_k_filter`, `top_p_filter`, `sample_next`: next tokens for a batch of last-position logits (strict: bad
+  parameters raise), as `generate` and training samples use them;
+- `sample_token`: one row's next token for any parameters the API accepts, which never raises on them (the
+  decode loop of `service.generation`): `temperature` 0 and `top_p` 0 mean greedy; every other value in range
+  is honoured, computed in float64; where the numbers leave the finite range (a temperature so small that
+  logits / temperature overflows, a nucleus that keeps nothing) the limit of the distribution is taken, which
+  is greedy. Only logits that are themselves not finite (a model failure) raise, and then for this row alone;
+- `stop_bytes`, `stop_match`: stop sequences on the decoded bytes;
+- `left_pad`: prompts of different lengths right-aligned in one batch;
+- `generate`: the reference generation loop with the KV cache (what the exported graph and the server are
+  compared against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from models.gpt import GPT, KVCache
+from models.tokenizer import ByteTokenizer
+
+
+def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
+    """Keep the k largest logits per row (ties at the k-th value survive), -inf elsewhere."""
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """Nucleus: keep the smallest set of top tokens whose probability reaches top_p (the top one always)."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs >= top_p  # mass strictly above this token already suffices
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
+    """Stop sequences as UTF-8 bytes (empty ones dropped)."""
+    out = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in (stop or [])]
+    return [s for s in out if s]
+
+
+def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: ByteTokenizer) -> int | None:
+    """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None."""
+    if not stops:
+        return None
+    text = tokenizer.decode_bytes(tokens)
+    for s in stops:
+        if text.endswith(s):
+            cut = len(text) - len(s)
+            keep = len(tokens)
+            # Drop tokens until none of the stop's bytes remain (a token straddling the cut goes too).
+            while keep and len(tokenizer.decode_bytes(tokens[:keep])) > cut:
+                keep -= 1
+            return keep
+    return None
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask), both (B, longest): prompts right-aligned so new tokens line up."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, longest - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
+            mask[row, longest - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop: Sequence[str] | Sequence[bytes] | None = None,
+    seed: int | None = None,
+    eos_id: int | None = None,
+    tokenizer: ByteTokenizer | None = None,
+) -> list[list[int]]:
+    """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
+
+    A row ends at `eos_id` (not returned), at a stop sequence (removed from the output), after
+    max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
+    leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
+    """
+    prompts: list[list[int]] = (
+        [list(cast(Sequence[int], prompt_ids))] if not prompt_ids or isinstance(prompt_ids[0], int)
+        else [list(cast(Sequence[int], p)) for p in prompt_ids]
+    )
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
+    cfg = model.config
+    longest = max(len(p) for p in prompts)
+    if longest > cfg.block_size:
+        raise ValueError(f"prompt of {longest} tokens does not fit the context of {cfg.block_size}")
+    budget = min(max_new_tokens, cfg.block_size - longest)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if budget <= 0:
+        return outputs
+
+    stops = stop_bytes(stop)
+    tokenizer = tokenizer or ByteTokenizer()
+    device, dtype = model.wte.weight.device, model.wte.weight.dtype
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    input_ids, attention_mask = left_pad(prompts, pad_id=0, device=device)  # pad id is masked, any id works
+    cache = KVCache.empty(cfg, len(prompts), dtype, device)
+    done = [False] * len(prompts)
+
+    was_training = model.training
+    model.eval()
+    try:
+        logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
+        for step in range(budget):
+            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            for row, tok in enumerate(next_ids.tolist()):
+                if done[row]:
+                    continue
+                if eos_id is not None and tok == eos_id:
+                    done[row] = True
+                    continue
+                outputs[row].append(tok)
+                keep = stop_match(outputs[row], stops, tokenizer)
+                if keep is not None:
+                    del outputs[row][keep:]
+                    done[row] = True
+            if all(done) or step == budget - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=1)
+            logits, cache.layers = model(
+                next_ids[:, None], attention_mask=attention_mask, past_key_values=cache.layers
+            )
+    finally:
+        model.train(was_training)
+    return outputs
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or infinite logits for this sequence."""
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None,
+                 generator: torch.Generator) -> int:
+    """Token id from `logits` (V,); greedy for temperature 0 or top_p 0, and wherever sampling degenerates."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits("the model produced non-finite logits for this sequence")
+    greedy = int(logits.argmax())
+    if temperature <= 0 or top_p <= 0:
+        return greedy
+    scaled = logits.double() / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        return greedy  # temperature -> 0: the distribution tends to the argmax
+    scaled = scaled[None]
+    if top_k is not None:
+        scaled = top_k_filter(scaled, top_k)
+    if top_p < 1:
+        scaled = top_p_filter(scaled, top_p)
+    probs = scaled.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return greedy
+    return int(torch.multinomial(probs, 1, generator=generator)[0, 0])

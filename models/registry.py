@@ -1,0 +1,129 @@
+"""The architecture registry (in the manner of timm's): architecture name -> everything the packages need.
+
+One entry per architecture: its config and model classes, its task ("vision": image classification,
+"text": causal language modelling), its presets, how to adapt a foreign checkpoint layout, and what the
+project's checkpoint stores beside the weights. Export-side parts (exporter, validator) are registered
+against the task by `export.tasks`, so this package never imports `export`. Code that must branch on the
+architecture asks this table instead of comparing strings.
+
+A new architecture: write its config (with `from_dict` / `to_dict` / `from_preset`) and model, then call
+`register(Architecture(...))` below; a new task also needs an entry in `export.tasks` and a runtime in
+`service.runtime`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from models import deit, gpt
+from models.tokenizer import ByteTokenizer
+
+Task = Literal["vision", "text"]
+VISION: Task = "vision"
+TEXT: Task = "text"
+
+# foreign checkpoint object + hints -> (config, state dict, how it was read)
+Adapter = Callable[..., tuple[Any, dict[str, Any], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    task: Task
+    config_cls: type
+    model_cls: type[nn.Module]
+    presets: Mapping[str, Mapping[str, Any]]
+    depth_key: str  # the config field that counts the transformer blocks
+    set_paper_params: Callable[[Any], Any]  # the paper's MultiMax parameters (Tables 7/8), in place
+    adapt_checkpoint: Adapter | None = None  # foreign layouts (official MultiMax / timm), if any
+    detect: Callable[[Mapping[str, Any]], bool] | None = None  # does a foreign checkpoint dict hold this arch
+    # what a new checkpoint of this architecture stores beside the weights (preprocess or tokenizer)
+    new_checkpoint_fields: Callable[[], dict[str, Any]] = dict
+    init_options: tuple[str, ...] = ()  # `python -m models init` options that reach this config
+    # `python -m models info`: (shown name, config field) of the sizes worth showing
+    size_fields: tuple[tuple[str, str], ...] = ()
+
+    def config(self, fields: Mapping[str, Any]) -> Any:
+        return self.config_cls.from_dict(dict(fields))  # type: ignore[attr-defined]
+
+    def model(self, config: Any) -> nn.Module:
+        return self.model_cls(config)
+
+    def preset_config(self, preset: str, **overrides: Any) -> Any:
+        return self.config_cls.from_preset(preset, **overrides)  # type: ignore[attr-defined]
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    if arch.name in _REGISTRY:
+        raise ValueError(f"architecture {arch.name!r} is registered already")
+    _REGISTRY[arch.name] = arch
+    return arch
+
+
+def get(name: str) -> Architecture:
+    """The entry for `name`; a KeyError naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown architecture {name!r} (known: {', '.join(_REGISTRY)})") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def task_of(name: str) -> Task:
+    return get(name).task
+
+
+def task_or_none(name: str | None) -> Task | None:
+    """The task of `name`, None for an unknown architecture (the caller says what it does with that)."""
+    arch = _REGISTRY.get(name or "")
+    return arch.task if arch is not None else None
+
+
+def for_preset(preset: str) -> Architecture | None:
+    """The architecture that has a preset of this name."""
+    return next((a for a in _REGISTRY.values() if preset in a.presets), None)
+
+
+def all_presets() -> list[str]:
+    return [p for a in _REGISTRY.values() for p in a.presets]
+
+
+def for_foreign(obj: Mapping[str, Any]) -> Architecture | None:
+    """The architecture whose detector recognises a checkpoint dict in a foreign layout."""
+    return next((a for a in _REGISTRY.values() if a.detect is not None and a.detect(obj)), None)
+
+
+def _looks_like_deit(obj: Mapping[str, Any]) -> bool:
+    for key in ("model", "model_ema", "state_dict"):
+        if isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    return any(str(k).endswith("patch_embed.proj.weight") for k in obj)
+
+
+register(Architecture(
+    "deit", VISION, deit.DeiTConfig, deit.DeiT, deit.DEIT_PRESETS, "depth", deit.set_paper_params,
+    adapt_checkpoint=deit.adapt_checkpoint, detect=_looks_like_deit,
+    new_checkpoint_fields=lambda: {"preprocess": dict(deit.IMAGENET_PREPROCESS)},
+    init_options=("num_classes", "pool"),
+    size_fields=(("embed_dim", "embed_dim"), ("depth", "depth"), ("num_heads", "num_heads"),
+                 ("mlp_ratio", "mlp_ratio"), ("patch_size", "patch_size"), ("image_size", "img_size"),
+                 ("in_chans", "in_chans"), ("num_classes", "num_classes"), ("qkv_bias", "qkv_bias"),
+                 ("pool", "pool"), ("ln_eps", "ln_eps")),
+))
+register(Architecture(
+    "gpt", TEXT, gpt.GPTConfig, gpt.GPT, gpt.GPT_PRESETS, "n_layer", gpt.set_paper_params,
+    new_checkpoint_fields=lambda: {"tokenizer": ByteTokenizer().to_dict()},
+    size_fields=(("n_embd", "n_embd"), ("n_layer", "n_layer"), ("n_head", "n_head"),
+                 ("block_size", "block_size"), ("vocab_size", "vocab_size")),
+))

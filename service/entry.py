@@ -1,0 +1,59 @@
+"""A loaded model as the server knows it (`ModelEntry`), and what each architecture task is served as."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from models import registry as architectures
+from models.tokenizer import ByteTokenizer
+from service.backends.base import Backend
+from service.vision import Preprocess
+
+
+@dataclass(frozen=True)
+class ServedTask:
+    name: str  # the task name clients see (/v1/models, KServe parameters)
+    endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
+    metadata: tuple[str, ...]  # metadata fields a file must carry to be served
+
+
+SERVED_TASKS = {
+    architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("labels", "preprocess")),
+    architectures.TEXT: ServedTask("text-generation", ("completions", "infer"), ("tokenizer",)),
+}
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    arch: str
+    backend: Backend
+    config: dict[str, Any]
+    labels: list[str] | None = None
+    preprocess: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    preprocessor: Preprocess | None = None  # built from `preprocess` when the model is loaded (validates it)
+    byte_tokenizer: ByteTokenizer | None = None  # likewise from `tokenizer`
+
+    @property
+    def kind(self) -> architectures.Task:
+        """The architecture's task: "vision" or "text"."""
+        return architectures.task_of(self.arch)
+
+    @property
+    def served(self) -> ServedTask:
+        return SERVED_TASKS[self.kind]
+
+    @property
+    def task(self) -> str:
+        return self.served.name
+
+    @property
+    def context_length(self) -> int | None:
+        return int(self.config["block_size"]) if self.kind == architectures.TEXT else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"task": self.task, **self.backend.describe()}
