@@ -1,5 +1,8 @@
 """`python -m export.bench_cpu`: MultiMax DeiT-small on the CPU with the fused onnxruntime ops (plugins.ort_ops).
 
+0. op: the node alone, as DeiT-small's attention sees it (scores of (B, 6, 197, 197) scaled by a Mul,
+   the node, a Mul reading its output): MultiMaxNoMask (fused) vs onnxruntime's Softmax, batch 1 and 8;
+   graphs interleaved, and the nodes' own time from onnxruntime's profiler in ns per element.
 1. overhead: MultiMax DeiT-small (paper parameters, attention + output) vs its softmax twin in onnxruntime,
    with the fused ops and with the function bodies, batch 1 and 8 (interleaved rounds, median of
    per-round ratios to the twin).
@@ -35,10 +38,13 @@ from export.bench import interleaved, make_checkpoints, timing_tables, write_res
 from export.cli import main as export_main
 from export.validate import cpu_session
 from models.checkpoint import load
+from models.multimax import paper_params
 from plugins import ort_ops
+from plugins.ort_ops.graphs import scores_model
 
 BATCHES = ((1, 8), (8, 2))  # (batch, calls per round)
-SECTIONS = ("overhead", "profile", "runtimes")
+SECTIONS = ("op", "overhead", "profile", "runtimes")
+OP_SHAPE = (6, 197, 197)  # DeiT-small's heads and a 197-token row (odd: the vector tails run too)
 
 
 def pixels(batch: int) -> np.ndarray:
@@ -61,16 +67,15 @@ def bench_overhead(mm: Path, sm: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
-def profile_ops(path: Path, fused: bool, batch: int, runs: int, tmp: Path) -> dict[str, float]:
+def profile_ops(model: Path, fused: bool, feed: dict[str, np.ndarray], runs: int, prefix: Path) -> dict[str, float]:
     """Mean microseconds per run: each operator type's kernel time, and the whole run."""
     options = ort.SessionOptions()
     options.enable_profiling = True
-    options.profile_file_prefix = str(tmp / f"profile_{path.stem}_{fused}")
+    options.profile_file_prefix = str(prefix)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if fused:
         ort_ops.register(options)
-    s = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feed = {"pixel_values": pixels(batch)}
+    s = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     s.run(None, feed)  # warm-up, excluded below
     for _ in range(runs):
         s.run(None, feed)
@@ -84,10 +89,39 @@ def profile_ops(path: Path, fused: bool, batch: int, runs: int, tmp: Path) -> di
     return {"model_run_us": float(np.median(model_runs)), **per_op}
 
 
+def bench_op(rounds: int, runs: int, tmp: Path) -> dict[str, Any]:
+    ranges, ts = paper_params(3)  # paper Table 7, layer 4
+    models = {"softmax": tmp / "op_softmax.onnx", "multimax_fused": tmp / "op_multimax.onnx"}
+    models["softmax"].write_bytes(scores_model("Softmax", ranges, ts))
+    models["multimax_fused"].write_bytes(scores_model("MultiMaxNoMask", ranges, ts))
+    in_place_before = ort_ops.run_counts()[1]
+    out: dict[str, Any] = {"shape": ["batch", *OP_SHAPE], "parameters": "paper Table 7, layer 4"}
+    for batch, calls in ((1, 40), (8, 6)):
+        scores = (np.random.default_rng(0).standard_normal((batch, *OP_SHAPE)) * 24).astype(np.float32)
+        feed = {"scores": scores}
+        sessions = {name: session(m, name != "softmax") for name, m in models.items()}
+        contenders = {name: (lambda s=s, feed=feed: s.run(None, feed)) for name, s in sessions.items()}
+        timed = interleaved(contenders, rounds, calls, f"op b{batch}")
+        twin = profile_ops(models["softmax"], False, feed, runs, tmp / f"op_softmax_{batch}")
+        fused = profile_ops(models["multimax_fused"], True, feed, runs, tmp / f"op_fused_{batch}")
+        sm_us, mm_us = twin["Softmax"], fused["MultiMaxNoMask"]
+        timed["profiler"] = {
+            "runs": runs,
+            "softmax_ns_per_element": 1e3 * sm_us / scores.size,
+            "multimax_ns_per_element": 1e3 * mm_us / scores.size,
+            "node_ratio": mm_us / sm_us,
+        }
+        out[f"batch_{batch}"] = timed
+    out["fused_runs_in_place"] = ort_ops.run_counts()[1] > in_place_before
+    return out
+
+
 def bench_profile(mm: Path, sm: Path, runs: int, tmp: Path) -> dict[str, Any]:
     out = {}
     for batch, _ in BATCHES:
-        fused, twin = profile_ops(mm, True, batch, runs, tmp), profile_ops(sm, False, batch, runs, tmp)
+        feed = {"pixel_values": pixels(batch)}
+        fused = profile_ops(mm, True, feed, runs, tmp / f"profile_multimax_{batch}")
+        twin = profile_ops(sm, False, feed, runs, tmp / f"profile_softmax_{batch}")
         mm_us = sum(v for k, v in fused.items() if k in ort_ops.OPS)
         sm_us = twin.get("Softmax", 0.0)
         out[f"batch_{batch}"] = {
@@ -151,8 +185,25 @@ def bench_runtimes(mm_ckpt: Path, mm: Path, rounds: int, tmp: Path) -> dict[str,
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"Measured {results['date']} with `{results['command']}` ({results['machine']})", ""]
-    lines += timing_tables(results, {"overhead": "MultiMax DeiT-small vs softmax twin, onnxruntime CPU",
-                                     "runtimes": "MultiMax DeiT-small, CPU runtimes"})
+    lines += timing_tables(
+        results,
+        {
+            "overhead": "MultiMax DeiT-small vs softmax twin, onnxruntime CPU",
+            "runtimes": "MultiMax DeiT-small, CPU runtimes",
+        },
+    )
+    op = results.get("op")
+    if op:
+        lines += ["| the node alone (B, 6, 197, 197) | batch | graph ms/call | graph ratio | profiler ns/element "
+                  "| node ratio (profiler) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for batch in ("batch_1", "batch_8"):
+            r, prof = op[batch], op[batch]["profiler"]
+            lines.append(f"| Softmax | {batch[6:]} | {r['softmax']['median_ms']:.2f} | 1.000 "
+                         f"| {prof['softmax_ns_per_element']:.2f} | 1.000 |")  # fmt: skip
+            lines.append(f"| MultiMaxNoMask, fused | {batch[6:]} | {r['multimax_fused']['median_ms']:.2f} "
+                         f"| {r['multimax_fused']['ratio_to_softmax']:.3f} | {prof['multimax_ns_per_element']:.2f} "
+                         f"| {prof['node_ratio']:.3f} |")  # fmt: skip
+        lines.append("")
     p = results.get("profile")
     if p:
         lines += ["| profiler (onnxruntime, fused ops) | batch | MultiMax nodes µs/run | twin's Softmax nodes µs/run "
@@ -185,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="multimax-bench-cpu.") as tmp_name:
         tmp = Path(tmp_name)
         mm_ckpt, sm_ckpt = make_checkpoints(tmp)
-        for ckpt in (mm_ckpt, sm_ckpt):
-            if export_main([str(ckpt), "--quiet", "--no-validate"]):
-                raise RuntimeError(f"could not export {ckpt.name}")
+        if set(args.only) - {"op"}:  # the op section needs no model
+            for ckpt in (mm_ckpt, sm_ckpt):
+                if export_main([str(ckpt), "--quiet", "--no-validate"]):
+                    raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {
+            "op": lambda: bench_op(args.rounds, args.profile_runs, tmp),
             "overhead": lambda: bench_overhead(mm, sm, args.rounds),
             "profile": lambda: bench_profile(mm, sm, args.profile_runs, tmp),
             "runtimes": lambda: bench_runtimes(mm_ckpt, mm, args.rounds, tmp),
