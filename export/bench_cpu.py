@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         mm_ckpt, sm_ckpt = make_checkpoints(tmp)
         if set(args.only) - {"op"}:  # the op section needs no model
             for ckpt in (mm_ckpt, sm_ckpt):
-                if export_main([str(ckpt), "--quiet", "--no-validate"]):
+                if export_main([str(ckpt), "-o", str(ckpt.with_suffix(".onnx")), "--quiet", "--no-validate"]):
                     raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {
