@@ -7,7 +7,8 @@
    with the fused ops and with the function bodies, batch 1 and 8 (interleaved rounds, median of
    per-round ratios to the twin).
 2. profile: onnxruntime's profiler, per operator: the MultiMax nodes' kernel time vs the twin's Softmax
-   nodes', as a share of a run (less noisy than end-to-end times on a shared machine).
+   nodes', as a share of a run (less noisy than end-to-end times on a shared machine); the two
+   sessions' runs interleaved, medians of per-pair ratios.
 3. runtimes: the same MultiMax model in onnxruntime (fused ops; function bodies), PyTorch eager,
    torch.compile and OpenVINO (on the inlined graph; its CPU plugin fuses the elementwise chain
    itself), batch 1 and 8, interleaved.
@@ -20,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -67,26 +68,54 @@ def bench_overhead(mm: Path, sm: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
-def profile_ops(model: Path, fused: bool, feed: dict[str, np.ndarray], runs: int, prefix: Path) -> dict[str, float]:
-    """Mean microseconds per run: each operator type's kernel time, and the whole run."""
+def profiled_session(model: Path, fused: bool, prefix: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(prefix)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if fused:
         ort_ops.register(options)
-    s = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    s.run(None, feed)  # warm-up, excluded below
-    for _ in range(runs):
-        s.run(None, feed)
-    events = json.loads(Path(s.end_profiling()).read_text())
-    per_op: dict[str, float] = defaultdict(float)
-    model_runs = [e["dur"] for e in events if e.get("name") == "model_run"][1:]
-    warm_end = next(e["ts"] + e["dur"] for e in events if e.get("name") == "model_run")
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= warm_end:
-            per_op[e["args"]["op_name"]] += e["dur"] / runs
-    return {"model_run_us": float(np.median(model_runs)), **per_op}
+    return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+
+
+def per_run(session: ort.InferenceSession, ops: set[str]) -> tuple[list[float], list[float]]:
+    """Ends the session's profile: per run after the first (the warm-up), the whole run's µs and the
+    summed kernel time of the nodes whose op type is in `ops`."""
+    events = json.loads(Path(session.end_profiling()).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[1:]
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    node_us = [0.0] * len(runs)
+    for e in nodes:
+        if e["args"].get("op_name") in ops:
+            i = next((i for i, (a, b) in enumerate(runs) if a <= e["ts"] <= b), None)
+            if i is not None:
+                node_us[i] += e["dur"]
+    return [b - a for a, b in runs], node_us
+
+
+def profile_side_by_side(
+    twin: Path, multimax: Path, feed: dict[str, np.ndarray], runs: int, prefix: Path
+) -> dict[str, Any]:
+    """The twin's Softmax nodes vs the MultiMax nodes (fused), from onnxruntime's profiler, the two
+    sessions' runs interleaved: medians, and medians of the per-pair ratios and costs."""
+    sessions = [profiled_session(twin, False, prefix.with_name(prefix.name + "_twin")),
+                profiled_session(multimax, True, prefix.with_name(prefix.name + "_multimax"))]  # fmt: skip
+    for s in sessions:
+        s.run(None, feed)  # warm-up, excluded by per_run
+    for i in range(runs):
+        for s in sessions if i % 2 == 0 else sessions[::-1]:
+            s.run(None, feed)
+    (sm_run, sm_nodes), (_, mm_nodes) = per_run(sessions[0], {"Softmax"}), per_run(sessions[1], set(ort_ops.OPS))
+    med = statistics.median
+    return {
+        "runs": runs,
+        "softmax_nodes_us": med(sm_nodes),
+        "multimax_nodes_us": med(mm_nodes),
+        "softmax_model_run_us": med(sm_run),
+        "node_ratio": med(m / t for m, t in zip(mm_nodes, sm_nodes, strict=True)),
+        # What replacing the Softmax nodes by the MultiMax nodes costs, as a share of the twin's run.
+        "op_cost_pct_of_run": med(100 * (m - t) / r for m, t, r in zip(mm_nodes, sm_nodes, sm_run, strict=True)),
+    }
 
 
 def bench_op(rounds: int, runs: int, tmp: Path) -> dict[str, Any]:
@@ -102,38 +131,19 @@ def bench_op(rounds: int, runs: int, tmp: Path) -> dict[str, Any]:
         sessions = {name: session(m, name != "softmax") for name, m in models.items()}
         contenders = {name: (lambda s=s, feed=feed: s.run(None, feed)) for name, s in sessions.items()}
         timed = interleaved(contenders, rounds, calls, f"op b{batch}")
-        twin = profile_ops(models["softmax"], False, feed, runs, tmp / f"op_softmax_{batch}")
-        fused = profile_ops(models["multimax_fused"], True, feed, runs, tmp / f"op_fused_{batch}")
-        sm_us, mm_us = twin["Softmax"], fused["MultiMaxNoMask"]
-        timed["profiler"] = {
-            "runs": runs,
-            "softmax_ns_per_element": 1e3 * sm_us / scores.size,
-            "multimax_ns_per_element": 1e3 * mm_us / scores.size,
-            "node_ratio": mm_us / sm_us,
-        }
-        out[f"batch_{batch}"] = timed
+        prof = profile_side_by_side(models["softmax"], models["multimax_fused"], feed, runs, tmp / f"op_{batch}")
+        prof["softmax_ns_per_element"] = 1e3 * prof["softmax_nodes_us"] / scores.size
+        prof["multimax_ns_per_element"] = 1e3 * prof["multimax_nodes_us"] / scores.size
+        out[f"batch_{batch}"] = timed | {"profiler": prof}
     out["fused_runs_in_place"] = ort_ops.run_counts()[1] > in_place_before
     return out
 
 
 def bench_profile(mm: Path, sm: Path, runs: int, tmp: Path) -> dict[str, Any]:
-    out = {}
-    for batch, _ in BATCHES:
-        feed = {"pixel_values": pixels(batch)}
-        fused = profile_ops(mm, True, feed, runs, tmp / f"profile_multimax_{batch}")
-        twin = profile_ops(sm, False, feed, runs, tmp / f"profile_softmax_{batch}")
-        mm_us = sum(v for k, v in fused.items() if k in ort_ops.OPS)
-        sm_us = twin.get("Softmax", 0.0)
-        out[f"batch_{batch}"] = {
-            "runs": runs,
-            "multimax_nodes_us": mm_us,
-            "softmax_nodes_us": sm_us,
-            "multimax_model_run_us": fused["model_run_us"],
-            "softmax_model_run_us": twin["model_run_us"],
-            # What replacing the 12 Softmax nodes by the MultiMax nodes costs, as a share of a twin's run.
-            "op_cost_pct_of_run": 100 * (mm_us - sm_us) / twin["model_run_us"],
-        }
-    return out
+    return {
+        f"batch_{batch}": profile_side_by_side(sm, mm, {"pixel_values": pixels(batch)}, runs, tmp / f"deit_{batch}")
+        for batch, _ in BATCHES
+    }
 
 
 def inlined_copy(path: Path, out: Path) -> Path:
@@ -207,10 +217,11 @@ def markdown(results: dict[str, Any]) -> str:
     p = results.get("profile")
     if p:
         lines += ["| profiler (onnxruntime, fused ops) | batch | MultiMax nodes µs/run | twin's Softmax nodes µs/run "
-                  "| twin run µs | op cost, % of a run |", "|---|---|---|---|---|---|"]  # fmt: skip
+                  "| node ratio | twin run µs | op cost, % of a run |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for batch, r in p.items():
             lines.append(f"| | {batch.split('_')[1]} | {r['multimax_nodes_us']:.0f} | {r['softmax_nodes_us']:.0f} "
-                         f"| {r['softmax_model_run_us']:.0f} | {r['op_cost_pct_of_run']:+.2f}% |")  # fmt: skip
+                         f"| {r['node_ratio']:.2f} | {r['softmax_model_run_us']:.0f} "
+                         f"| {r['op_cost_pct_of_run']:+.2f}% |")  # fmt: skip
     return "\n".join(lines)
 
 
