@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,21 @@ def bench_overhead(mm: Path, sm: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
-def profiled_session(model: Path, fused: bool, prefix: Path) -> ort.InferenceSession:
+Register = Callable[[ort.SessionOptions], object] | None  # what a session registers: the fused ops, or nothing
+
+
+def register_library(path: Path) -> Register:
+    """Registers a given build of the custom-op library (--baseline-lib: an older build, compared side by side)."""
+    return lambda options: options.register_custom_ops_library(str(path))
+
+
+def profiled_session(model: Path, register: Register, prefix: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(prefix)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if fused:
-        ort_ops.register(options)
+    if register:
+        register(options)
     return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
 
 
@@ -83,10 +92,9 @@ def per_run(session: ort.InferenceSession, ops: set[str]) -> tuple[list[float], 
     summed kernel time of the nodes whose op type is in `ops`."""
     events = json.loads(Path(session.end_profiling()).read_text())
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[1:]
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     node_us = [0.0] * len(runs)
-    for e in nodes:
-        if e["args"].get("op_name") in ops:
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["args"].get("op_name") in ops:
             i = next((i for i, (a, b) in enumerate(runs) if a <= e["ts"] <= b), None)
             if i is not None:
                 node_us[i] += e["dur"]
@@ -94,55 +102,74 @@ def per_run(session: ort.InferenceSession, ops: set[str]) -> tuple[list[float], 
 
 
 def profile_side_by_side(
-    twin: Path, multimax: Path, feed: dict[str, np.ndarray], runs: int, prefix: Path
+    twin: Path, contenders: dict[str, tuple[Path, Register]], feed: dict[str, np.ndarray], runs: int, prefix: Path
 ) -> dict[str, Any]:
-    """The twin's Softmax nodes vs the MultiMax nodes (fused), from onnxruntime's profiler, the two
-    sessions' runs interleaved: medians, and medians of the per-pair ratios and costs."""
-    sessions = [profiled_session(twin, False, prefix.with_name(prefix.name + "_twin")),
-                profiled_session(multimax, True, prefix.with_name(prefix.name + "_multimax"))]  # fmt: skip
-    for s in sessions:
+    """The twin's Softmax nodes vs each contender's MultiMax nodes, from onnxruntime's profiler, all
+    sessions' runs interleaved: medians, and medians of the per-round ratios and costs against the twin."""
+    named = {"softmax": (twin, None), **contenders}
+    sessions = {name: profiled_session(path, reg, prefix.with_name(f"{prefix.name}_{name}"))
+                for name, (path, reg) in named.items()}  # fmt: skip
+    order = list(sessions.values())
+    for s in order:
         s.run(None, feed)  # warm-up, excluded by per_run
     for i in range(runs):
-        for s in sessions if i % 2 == 0 else sessions[::-1]:
+        for s in order if i % 2 == 0 else order[::-1]:
             s.run(None, feed)
-    (sm_run, sm_nodes), (_, mm_nodes) = per_run(sessions[0], {"Softmax"}), per_run(sessions[1], set(ort_ops.OPS))
     med = statistics.median
-    return {
-        "runs": runs,
-        "softmax_nodes_us": med(sm_nodes),
-        "multimax_nodes_us": med(mm_nodes),
-        "softmax_model_run_us": med(sm_run),
-        "node_ratio": med(m / t for m, t in zip(mm_nodes, sm_nodes, strict=True)),
-        # What replacing the Softmax nodes by the MultiMax nodes costs, as a share of the twin's run.
-        "op_cost_pct_of_run": med(100 * (m - t) / r for m, t, r in zip(mm_nodes, sm_nodes, sm_run, strict=True)),
-    }
+    twin_run, twin_nodes = per_run(sessions.pop("softmax"), {"Softmax"})
+    out: dict[str, Any] = {"runs": runs, "softmax_nodes_us": med(twin_nodes), "softmax_model_run_us": med(twin_run)}
+    for name, s in sessions.items():
+        nodes = per_run(s, set(ort_ops.OPS))[1]
+        out[name] = {
+            "nodes_us": med(nodes),
+            "node_ratio": med(m / t for m, t in zip(nodes, twin_nodes, strict=True)),
+            # What replacing the Softmax nodes by the MultiMax nodes costs, as a share of the twin's run.
+            "op_cost_pct_of_run": med(100 * (m - t) / r for m, t, r in zip(nodes, twin_nodes, twin_run, strict=True)),
+        }
+    return out
 
 
-def bench_op(rounds: int, runs: int, tmp: Path) -> dict[str, Any]:
+def bench_op(rounds: int, runs: int, tmp: Path, baseline: Path | None) -> dict[str, Any]:
     ranges, ts = paper_params(3)  # paper Table 7, layer 4
-    models = {"softmax": tmp / "op_softmax.onnx", "multimax_fused": tmp / "op_multimax.onnx"}
-    models["softmax"].write_bytes(scores_model("Softmax", ranges, ts))
-    models["multimax_fused"].write_bytes(scores_model("MultiMaxNoMask", ranges, ts))
+    twin, mm = tmp / "op_softmax.onnx", tmp / "op_multimax.onnx"
+    twin.write_bytes(scores_model("Softmax", ranges, ts))
+    mm.write_bytes(scores_model("MultiMaxNoMask", ranges, ts))
+    contenders: dict[str, tuple[Path, Register]] = {"multimax_fused": (mm, ort_ops.register)}
+    if baseline:
+        contenders["multimax_baseline_lib"] = (mm, register_library(baseline))
     in_place_before = ort_ops.run_counts()[1]
-    out: dict[str, Any] = {"shape": ["batch", *OP_SHAPE], "parameters": "paper Table 7, layer 4"}
+    out: dict[str, Any] = {"shape": ["batch", *OP_SHAPE], "parameters": "paper Table 7, layer 4",
+                           "baseline_lib": str(baseline) if baseline else None}  # fmt: skip
     for batch, calls in ((1, 40), (8, 6)):
         scores = (np.random.default_rng(0).standard_normal((batch, *OP_SHAPE)) * 24).astype(np.float32)
         feed = {"scores": scores}
-        sessions = {name: session(m, name != "softmax") for name, m in models.items()}
-        contenders = {name: (lambda s=s, feed=feed: s.run(None, feed)) for name, s in sessions.items()}
-        timed = interleaved(contenders, rounds, calls, f"op b{batch}")
-        prof = profile_side_by_side(models["softmax"], models["multimax_fused"], feed, runs, tmp / f"op_{batch}")
+        sessions = {"softmax": plain_session(twin, None)}
+        for name, (path, reg) in contenders.items():
+            sessions[name] = plain_session(path, reg)
+        timed = interleaved({n: (lambda s=s, f=feed: s.run(None, f)) for n, s in sessions.items()}, rounds, calls,
+                            f"op b{batch}")  # fmt: skip
+        prof = profile_side_by_side(twin, contenders, feed, runs, tmp / f"op_{batch}")
         prof["softmax_ns_per_element"] = 1e3 * prof["softmax_nodes_us"] / scores.size
-        prof["multimax_ns_per_element"] = 1e3 * prof["multimax_nodes_us"] / scores.size
+        for name in contenders:
+            prof[name]["ns_per_element"] = 1e3 * prof[name]["nodes_us"] / scores.size
         out[f"batch_{batch}"] = timed | {"profiler": prof}
     out["fused_runs_in_place"] = ort_ops.run_counts()[1] > in_place_before
     return out
 
 
+def plain_session(model: Path, register: Register) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if register:
+        register(options)
+    return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+
+
 def bench_profile(mm: Path, sm: Path, runs: int, tmp: Path) -> dict[str, Any]:
+    contenders: dict[str, tuple[Path, Register]] = {"multimax_fused": (mm, ort_ops.register)}
     return {
-        f"batch_{batch}": profile_side_by_side(sm, mm, {"pixel_values": pixels(batch)}, runs, tmp / f"deit_{batch}")
-        for batch, _ in BATCHES
+        f"batch_{b}": profile_side_by_side(sm, contenders, {"pixel_values": pixels(b)}, runs, tmp / f"deit_{b}")
+        for b, _ in BATCHES
     }
 
 
@@ -210,18 +237,19 @@ def markdown(results: dict[str, Any]) -> str:
             r, prof = op[batch], op[batch]["profiler"]
             lines.append(f"| Softmax | {batch[6:]} | {r['softmax']['median_ms']:.2f} | 1.000 "
                          f"| {prof['softmax_ns_per_element']:.2f} | 1.000 |")  # fmt: skip
-            lines.append(f"| MultiMaxNoMask, fused | {batch[6:]} | {r['multimax_fused']['median_ms']:.2f} "
-                         f"| {r['multimax_fused']['ratio_to_softmax']:.3f} | {prof['multimax_ns_per_element']:.2f} "
-                         f"| {prof['node_ratio']:.3f} |")  # fmt: skip
+            for name in (n for n in r if n.startswith("multimax")):
+                lines.append(f"| {name} | {batch[6:]} | {r[name]['median_ms']:.2f} | {r[name]['ratio_to_softmax']:.3f} "
+                             f"| {prof[name]['ns_per_element']:.2f} | {prof[name]['node_ratio']:.3f} |")  # fmt: skip
         lines.append("")
     p = results.get("profile")
     if p:
         lines += ["| profiler (onnxruntime, fused ops) | batch | MultiMax nodes µs/run | twin's Softmax nodes µs/run "
                   "| node ratio | twin run µs | op cost, % of a run |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for batch, r in p.items():
-            lines.append(f"| | {batch.split('_')[1]} | {r['multimax_nodes_us']:.0f} | {r['softmax_nodes_us']:.0f} "
-                         f"| {r['node_ratio']:.2f} | {r['softmax_model_run_us']:.0f} "
-                         f"| {r['op_cost_pct_of_run']:+.2f}% |")  # fmt: skip
+            f = r["multimax_fused"]
+            lines.append(f"| | {batch.split('_')[1]} | {f['nodes_us']:.0f} | {r['softmax_nodes_us']:.0f} "
+                         f"| {f['node_ratio']:.2f} | {r['softmax_model_run_us']:.0f} "
+                         f"| {f['op_cost_pct_of_run']:+.2f}% |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -231,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-runs", type=int, default=20, help="profiled runs per model and batch")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("-o", "--output", default="runs/bench_cpu.json")
+    p.add_argument("--baseline-lib", type=Path, help="op section: also time this build of the custom-op library")
     args = p.parse_args(argv)
     lib = ort_ops.library()
     if not lib.available:
@@ -253,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {
-            "op": lambda: bench_op(args.rounds, args.profile_runs, tmp),
+            "op": lambda: bench_op(args.rounds, args.profile_runs, tmp, args.baseline_lib),
             "overhead": lambda: bench_overhead(mm, sm, args.rounds),
             "profile": lambda: bench_profile(mm, sm, args.profile_runs, tmp),
             "runtimes": lambda: bench_runtimes(mm_ckpt, mm, args.rounds, tmp),
