@@ -1,0 +1,32 @@
+"""export.bench_cpu's operator section: the node alone against onnxruntime's Softmax, graph timings and
+profiler node times side by side, and a second build of the library compared beside the current one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from export import bench_cpu
+from plugins import ort_ops
+
+
+def test_op_section_times_profiles_and_compares_a_baseline_build(tmp_path: Path) -> None:
+    lib = ort_ops.library()
+    if not lib.available:
+        if os.environ.get("MULTIMAX_REQUIRE_ORT_OPS") == "1":
+            pytest.fail(f"fused MultiMax ops required but unavailable: {lib.reason}")
+        pytest.skip(f"fused MultiMax ops unavailable: {lib.reason}")
+    op = bench_cpu.bench_op(rounds=1, runs=2, tmp=tmp_path, baseline=lib.path)
+    assert op["fused_runs_in_place"] is True  # the node wrote over its input, as in a model
+    for batch in ("batch_1", "batch_8"):
+        r = op[batch]
+        assert set(r) == {"softmax", "multimax_fused", "multimax_baseline_lib", "profiler"}
+        assert r["softmax"]["ratio_to_softmax"] == 1.0 and r["multimax_fused"]["median_ms"] > 0
+        prof = r["profiler"]
+        assert prof["runs"] == 2 and prof["softmax_nodes_us"] > 0
+        for name in ("multimax_fused", "multimax_baseline_lib"):
+            assert prof[name]["nodes_us"] > 0 and prof[name]["node_ratio"] > 0 and prof[name]["ns_per_element"] > 0
+    table = bench_cpu.markdown({"date": "d", "command": "c", "machine": "m", "op": op})
+    assert "| multimax_baseline_lib | 8 |" in table and "| Softmax | 1 |" in table
