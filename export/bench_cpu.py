@@ -38,7 +38,6 @@ import torch
 
 from export.bench import interleaved, make_checkpoints, timing_tables, write_results
 from export.cli import main as export_main
-from export.validate import cpu_session
 from models.checkpoint import load
 from models.multimax import paper_params
 from plugins import ort_ops
@@ -53,14 +52,9 @@ def pixels(batch: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((batch, 3, 224, 224), dtype=np.float32)
 
 
-def session(path: Path, fused: bool) -> ort.InferenceSession:
-    # Idle threads spinning after each run would steal the cores of whoever runs next.
-    return cpu_session(path, spinning=False, fused=fused)
-
-
-def bench_overhead(mm: Path, sm: Path, rounds: int) -> dict[str, Any]:
-    sessions = {"softmax": session(sm, False), "multimax_fused": session(mm, True)}
-    sessions["multimax_bodies"] = session(mm, False)
+def bench_overhead(mm: Path, sm: Path, rounds: int, threads: int) -> dict[str, Any]:
+    sessions = {"softmax": session(sm, None, threads), "multimax_fused": session(mm, ort_ops.register, threads)}
+    sessions["multimax_bodies"] = session(mm, None, threads)
     out = {}
     for batch, calls in BATCHES:
         feed = {"pixel_values": pixels(batch)}
@@ -77,11 +71,15 @@ def register_library(path: Path) -> Register:
     return lambda options: options.register_custom_ops_library(str(path))
 
 
-def profiled_session(model: Path, register: Register, prefix: Path) -> ort.InferenceSession:
+def session(model: Path, register: Register, threads: int = 0, profile: Path | None = None) -> ort.InferenceSession:
+    """A CPU session; `register` adds the fused ops (or a given build of them); `profile` turns on the profiler."""
     options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(prefix)
+    options.intra_op_num_threads = threads  # 0: onnxruntime's default (one per core)
+    # Idle threads spinning after each run would steal the cores of whoever runs next.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile)
     if register:
         register(options)
     return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
@@ -102,12 +100,17 @@ def per_run(session: ort.InferenceSession, ops: set[str]) -> tuple[list[float], 
 
 
 def profile_side_by_side(
-    twin: Path, contenders: dict[str, tuple[Path, Register]], feed: dict[str, np.ndarray], runs: int, prefix: Path
+    twin: Path,
+    contenders: dict[str, tuple[Path, Register]],
+    feed: dict[str, np.ndarray],
+    runs: int,
+    prefix: Path,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """The twin's Softmax nodes vs each contender's MultiMax nodes, from onnxruntime's profiler, all
     sessions' runs interleaved: medians, and medians of the per-round ratios and costs against the twin."""
     named = {"softmax": (twin, None), **contenders}
-    sessions = {name: profiled_session(path, reg, prefix.with_name(f"{prefix.name}_{name}"))
+    sessions = {name: session(path, reg, threads, prefix.with_name(f"{prefix.name}_{name}"))
                 for name, (path, reg) in named.items()}  # fmt: skip
     order = list(sessions.values())
     for s in order:
@@ -129,7 +132,7 @@ def profile_side_by_side(
     return out
 
 
-def bench_op(rounds: int, runs: int, tmp: Path, baseline: Path | None) -> dict[str, Any]:
+def bench_op(rounds: int, runs: int, tmp: Path, baseline: Path | None, threads: int = 0) -> dict[str, Any]:
     ranges, ts = paper_params(3)  # paper Table 7, layer 4
     twin, mm = tmp / "op_softmax.onnx", tmp / "op_multimax.onnx"
     twin.write_bytes(scores_model("Softmax", ranges, ts))
@@ -143,12 +146,12 @@ def bench_op(rounds: int, runs: int, tmp: Path, baseline: Path | None) -> dict[s
     for batch, calls in ((1, 40), (8, 6)):
         scores = (np.random.default_rng(0).standard_normal((batch, *OP_SHAPE)) * 24).astype(np.float32)
         feed = {"scores": scores}
-        sessions = {"softmax": plain_session(twin, None)}
+        sessions = {"softmax": session(twin, None, threads)}
         for name, (path, reg) in contenders.items():
-            sessions[name] = plain_session(path, reg)
+            sessions[name] = session(path, reg, threads)
         timed = interleaved({n: (lambda s=s, f=feed: s.run(None, f)) for n, s in sessions.items()}, rounds, calls,
                             f"op b{batch}")  # fmt: skip
-        prof = profile_side_by_side(twin, contenders, feed, runs, tmp / f"op_{batch}")
+        prof = profile_side_by_side(twin, contenders, feed, runs, tmp / f"op_{batch}", threads)
         prof["softmax_ns_per_element"] = 1e3 * prof["softmax_nodes_us"] / scores.size
         for name in contenders:
             prof[name]["ns_per_element"] = 1e3 * prof[name]["nodes_us"] / scores.size
@@ -157,20 +160,13 @@ def bench_op(rounds: int, runs: int, tmp: Path, baseline: Path | None) -> dict[s
     return out
 
 
-def plain_session(model: Path, register: Register) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if register:
-        register(options)
-    return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-
-
-def bench_profile(mm: Path, sm: Path, runs: int, tmp: Path) -> dict[str, Any]:
+def bench_profile(mm: Path, sm: Path, runs: int, tmp: Path, threads: int) -> dict[str, Any]:
     contenders: dict[str, tuple[Path, Register]] = {"multimax_fused": (mm, ort_ops.register)}
-    return {
-        f"batch_{b}": profile_side_by_side(sm, contenders, {"pixel_values": pixels(b)}, runs, tmp / f"deit_{b}")
-        for b, _ in BATCHES
-    }
+    out = {}
+    for b, _ in BATCHES:
+        feed = {"pixel_values": pixels(b)}
+        out[f"batch_{b}"] = profile_side_by_side(sm, contenders, feed, runs, tmp / f"deit_{b}", threads)
+    return out
 
 
 def inlined_copy(path: Path, out: Path) -> Path:
@@ -180,17 +176,18 @@ def inlined_copy(path: Path, out: Path) -> Path:
     return out
 
 
-def bench_runtimes(mm_ckpt: Path, mm: Path, rounds: int, tmp: Path) -> dict[str, Any]:
+def bench_runtimes(mm_ckpt: Path, mm: Path, rounds: int, tmp: Path, threads: int) -> dict[str, Any]:
     model, _, _ = load(mm_ckpt)
     model.eval()
     compiled = torch.compile(model)
-    fused, bodies = session(mm, True), session(mm, False)
+    fused, bodies = session(mm, ort_ops.register, threads), session(mm, None, threads)
     ov_model, ov_error = None, None
     try:
         import openvino as ov
 
         core = ov.Core()
-        ov_model = core.compile_model(str(inlined_copy(mm, tmp / "inlined.onnx")), "CPU")
+        config = {"INFERENCE_NUM_THREADS": threads} if threads else {}
+        ov_model = core.compile_model(str(inlined_copy(mm, tmp / "inlined.onnx")), "CPU", config)
     except ImportError:
         ov_error = "openvino is not installed (pip install openvino)"
     out: dict[str, Any] = {"openvino": ov_error or f"openvino {ov.__version__}"}
@@ -259,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-runs", type=int, default=20, help="profiled runs per model and batch")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("-o", "--output", default="runs/bench_cpu.json")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads of every runtime (0: each one's default, one per core)")  # fmt: skip
     p.add_argument("--baseline-lib", type=Path, help="op section: also time this build of the custom-op library")
     args = p.parse_args(argv)
     lib = ort_ops.library()
@@ -266,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fused MultiMax ops unavailable: {lib.reason}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load1 = os.getloadavg()[0]
     results: dict[str, Any] = {
         "date": date.today().isoformat(),
@@ -282,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {
-            "op": lambda: bench_op(args.rounds, args.profile_runs, tmp, args.baseline_lib),
-            "overhead": lambda: bench_overhead(mm, sm, args.rounds),
-            "profile": lambda: bench_profile(mm, sm, args.profile_runs, tmp),
-            "runtimes": lambda: bench_runtimes(mm_ckpt, mm, args.rounds, tmp),
+            "op": lambda: bench_op(args.rounds, args.profile_runs, tmp, args.baseline_lib, args.threads),
+            "overhead": lambda: bench_overhead(mm, sm, args.rounds, args.threads),
+            "profile": lambda: bench_profile(mm, sm, args.profile_runs, tmp, args.threads),
+            "runtimes": lambda: bench_runtimes(mm_ckpt, mm, args.rounds, tmp, args.threads),
         }
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
