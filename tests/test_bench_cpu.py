@@ -27,6 +27,8 @@ def test_op_section_times_profiles_and_compares_a_baseline_build(tmp_path: Path)
         prof = r["profiler"]
         assert prof["runs"] == 2 and prof["softmax_nodes_us"] > 0
         for name in ("multimax_fused", "multimax_baseline_lib"):
-            assert prof[name]["nodes_us"] > 0 and prof[name]["node_ratio"] > 0 and prof[name]["ns_per_element"] > 0
+            p = prof[name]
+            assert p["nodes_us"] > 0 and p["node_ratio"] > 0 and p["ns_per_element"] > 0
+            assert p["typical_nodes_us"] > 0 and p["typical_node_ratio"] > 0
     table = bench_cpu.markdown({"date": "d", "command": "c", "machine": "m", "op": op})
     assert "| multimax_baseline_lib | 8 |" in table and "| Softmax | 1 |" in table
