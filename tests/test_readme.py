@@ -46,7 +46,7 @@ SERVER = re.compile(r"python -m service( &)?(\s+#.*)?$")
 # Durations, floating-point differences (CPU-dependent) and the thread count chosen from the machine's load.
 VOLATILE = re.compile(
     r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+|\d\.\d{6,}|(?<=PyTorch threads )\d+"
-    r"|(?P<isa>((?<=onnxruntime, )|(?<=default: ))(portable|avx2|avx512))"  # the fused ops' kernel path, chosen by the CPU
+    r"|(?P<isa>((?<=onnxruntime, )|(?<=default: ))(portable|avx2|avx512))"  # the kernel path the CPU chose
     r"|(?P<paths>(?<=on this CPU: )[a-z0-9, ]+(?= \(default))"  # ... and the paths this CPU runs
     r"|(?P<hash>(?<=libmultimax_ort_ops\.api\d\d\.)[0-9a-f]{16}(?=\.so))"  # the library's source hash
 )
