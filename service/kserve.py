@@ -153,8 +153,12 @@ async def model_metadata(name: str, request: Request, version: str | None = None
     inputs, outputs = io_spec(rt)
     for t in inputs:
         t.pop("optional", None)
-    return _json({"name": rt.name, "versions": [VERSION], "platform": rt.entry.backend.platform,
-                  "inputs": inputs, "outputs": outputs})
+    body = {"name": rt.name, "versions": [VERSION], "platform": rt.entry.backend.platform,
+            "inputs": inputs, "outputs": outputs}
+    fused = rt.entry.backend.describe().get("fused_multimax")  # ONNX Runtime: the CPU ops' state, as /v1/models
+    if fused is not None:
+        body["fused_multimax"] = fused  # an extension field; V2 clients ignore what they do not know
+    return _json(body)
 
 
 @router.get("/v2/models/{name}/ready", summary="Model readiness", responses={400: _NOT_READY, 404: LOOKUP_404})

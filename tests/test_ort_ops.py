@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +20,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
 
 from export import validate
 from export.fused_check import compare_fused
@@ -31,11 +31,11 @@ from models.generate import generate
 from models.multimax import multimax, paper_params, sigma
 from models.onnx_contract import VISION_INPUT
 from plugins import ort_ops
-from plugins.onnx_functions import function_protos
 from plugins.ort_ops.__main__ import main as ort_ops_main
+from plugins.ort_ops.graphs import op_model, scores_model
 from service.backends.onnxruntime import OnnxRuntimeBackend
 
-LENGTHS = (1, 7, 197, 1024, 4099)
+LENGTHS = (1, 7, 17, 197, 1024, 4099)  # below, across and at multiples of the 4/8/16-lane vector widths
 MIN = float(np.finfo(np.float32).min)
 
 
@@ -55,23 +55,6 @@ def fresh_library() -> Iterator[None]:
     ort_ops.library.cache_clear()
     yield
     ort_ops.library.cache_clear()
-
-
-def op_model(op: str, ranges: list[float], ts: list[float], order: int) -> bytes:
-    """One `multimax::<op>` node with its function body, shaped like the exporter's (dynamic shapes)."""
-    names = ["x", "mask"] if op == "MultiMax" else ["x"]
-    node = helper.make_node(
-        op, names, ["y"], domain="multimax", ranges=ranges, ts=ts, order=order,
-        plugin_name=op, plugin_version="1", plugin_namespace="multimax",
-    )  # fmt: skip
-    graph = helper.make_graph(
-        [node], op,
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )  # fmt: skip
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, functions=function_protos(18), ir_version=10)
-    return model.SerializeToString()
 
 
 def session(model: bytes, fused: bool, threads: int = 1) -> ort.InferenceSession:
@@ -137,6 +120,9 @@ def test_op_matches_pytorch_and_function_body(
                     np.testing.assert_allclose(got, want, atol=1e-5, rtol=rtol, err_msg=f"{where}: vs body")
                     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=rtol, err_msg=f"{where}: vs torch")
                     assert not np.isnan(got).any(), where
+                    if mask is not None:  # masked entries get exactly 0 (unless the whole row is masked)
+                        kept = (mask == 0).any(-1, keepdims=True)
+                        assert (got[np.broadcast_to((mask == MIN) & kept, got.shape)] == 0).all(), where
                     if op != "MultiMaxSigma":
                         np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5, err_msg=where)
 
@@ -154,6 +140,56 @@ def test_mask_broadcasting_of_every_kind(lib: ort_ops.Library) -> None:
         got, want = fused.run(None, feed)[0], body.run(None, feed)[0]
         assert got.shape == want.shape, (xs, ms)
         np.testing.assert_allclose(got, want, atol=1e-6, err_msg=f"x {xs} mask {ms}")
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_exp_accuracy_and_underflow_against_float64(
+    lib: ort_ops.Library, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ts = 0 (sigma is the identity) the op is a softmax: every kept term within 1e-6 relative of a
+    float64 softmax, and terms more than 88 below the row max exactly 0 (as exp underflows), odd lengths."""
+    if isa not in lib.kernel_paths:
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("MULTIMAX_ORT_ISA", isa)
+    fused = session(op_model("MultiMaxNoMask", [0.0] * 4, [0.0] * 4, 2), True)
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-87, 0, (64, 37)), rng.uniform(-300, -88.5, (64, 6))], -1).astype(np.float32)
+    x[:, 0] = 0.0
+    got = fused.run(None, {"x": x})[0].astype(np.float64)
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    want = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got[:, :37], want[:, :37], rtol=1e-6, atol=1e-37, err_msg=isa)
+    assert (got[:, 37:] == 0).all(), isa
+
+
+@pytest.mark.parametrize("op", ["MultiMax", "MultiMaxNoMask", "MultiMaxSigma"])
+def test_output_takes_the_input_buffer_and_results_do_not_change(lib: ort_ops.Library, op: str) -> None:
+    """Inside a graph (scores -> Mul -> op -> Mul), onnxruntime plans the op's output into x's buffer
+    (the ops' shape inference + MayInplace): the run counters see it, and the outputs equal the bodies'."""
+    ranges, ts = paper_params(5)
+    model = scores_model(op, ranges, ts, heads=3)
+    fused, body = session(model, True, 2), session(model, False)
+    rng = np.random.default_rng(4)
+    feed = {"scores": (rng.standard_normal((2, 3, 33, 33)) * 20).astype(np.float32)}
+    if op == "MultiMax":
+        feed["mask"] = np.triu(np.full((33, 33), MIN, np.float32), 1)[None, None].repeat(2, 0)
+    runs, in_place = ort_ops.run_counts()
+    got = fused.run(None, feed)[0]
+    runs_after, in_place_after = ort_ops.run_counts()
+    assert (runs_after - runs, in_place_after - in_place) == (1, 1), op
+    np.testing.assert_allclose(got, body.run(None, feed)[0], atol=1e-5, rtol=1e-6, err_msg=op)
+
+
+def test_kernel_paths_follow_the_cpu_and_os(lib: ort_ops.Library) -> None:
+    """Every path is compiled on x86-64; one runs only where CPUID and XGETBV (the OS saves the registers)
+    say so, which is what Linux's /proc/cpuinfo flags report too."""
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").is_file():
+        pytest.skip("checks x86-64 paths against Linux's /proc/cpuinfo")
+    assert lib.compiled_paths == ("avx512", "avx2", "portable")
+    line = next(li for li in Path("/proc/cpuinfo").read_text().splitlines() if li.startswith("flags"))
+    flags = set(line.split(":", 1)[1].split())
+    want = [isa for isa, need in (("avx512", {"avx512f", "fma"}), ("avx2", {"avx2", "fma"})) if need <= flags]
+    assert lib.kernel_paths == (*want, "portable")
 
 
 def test_errors_are_statuses_and_the_session_survives(lib: ort_ops.Library, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,4 +307,3 @@ def test_unbuildable_library_says_why_and_cli_exits_2(tmp_path: Path, fresh_libr
     assert f"cannot build it: ORT_INCLUDE_DIR={tmp_path} has no onnxruntime_c_api.h" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
-

@@ -17,8 +17,8 @@ network namespace, in tests/test_ray_serve.py).
 Output matching: each line the README shows must appear, in order, among the lines the command printed.
 Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation or with six or more decimals
 (floating-point differences and full-precision probabilities, which depend on the CPU) and the export's
-thread count (chosen from the load) match any number, and the fused ops' kernel path (chosen by the CPU) any
-path; everything else must match exactly.
+thread count (chosen from the load) match any number, the fused ops' kernel paths (chosen by the CPU) any
+paths, and their library's source hash any hash; everything else must match exactly.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ SERVER = re.compile(r"python -m service( &)?(\s+#.*)?$")
 # Durations, floating-point differences (CPU-dependent) and the thread count chosen from the machine's load.
 VOLATILE = re.compile(
     r"\d+(\.\d+)?(?= ?(s|ms|ms/image|min)\b)|\d\.\d+e[+-]\d+|\d\.\d{6,}|(?<=PyTorch threads )\d+"
-    r"|(?P<isa>(?<=onnxruntime, )(portable|avx2|avx512))"  # the fused ops' kernel path, chosen by the CPU
+    r"|(?P<isa>((?<=onnxruntime, )|(?<=default: ))(portable|avx2|avx512))"  # the kernel path the CPU chose
+    r"|(?P<paths>(?<=on this CPU: )[a-z0-9, ]+(?= \(default))"  # ... and the paths this CPU runs
+    r"|(?P<hash>(?<=libmultimax_ort_ops\.api\d\d\.)[0-9a-f]{16}(?=\.so))"  # the library's source hash
 )
+# What a volatile part of a line matches, by its group in VOLATILE (numbers otherwise).
+VOLATILE_MATCH = {"isa": "(portable|avx2|avx512)", "paths": "[a-z0-9, ]+", "hash": "[0-9a-f]{16}"}
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -137,7 +141,8 @@ def script(commands: list[str]) -> str:
 def line_pattern(want: str) -> re.Pattern[str]:
     parts, last = [], 0
     for m in VOLATILE.finditer(want):
-        parts += [re.escape(want[last : m.start()]), "(portable|avx2|avx512)" if m["isa"] else r"[\d.e+-]+"]
+        kind = next((k for k in VOLATILE_MATCH if m[k]), None)
+        parts += [re.escape(want[last : m.start()]), VOLATILE_MATCH[kind] if kind else r"[\d.e+-]+"]
         last = m.end()
     return re.compile("".join([*parts, re.escape(want[last:])]))
 

@@ -847,6 +847,11 @@ def test_kserve_server_and_model_metadata(service_client: TestClient) -> None:
     assert meta["platform"] == "onnxruntime_onnx" and meta["versions"] == ["1"]
     assert meta["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 1, 32, 32]}]
     assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+    card = service_client.get("/v1/models/digits_multimax").json()  # the fused CPU ops' state, in both APIs
+    assert meta["fused_multimax"] == card["fused_multimax"]
+    assert meta["fused_multimax"]["in_use"] is ort_ops.library().available
+    twin = service_client.get("/v2/models/digits_softmax").json()
+    assert twin["fused_multimax"] == {"in_use": False, "reason": "the model has no multimax nodes"}
     assert service_client.get("/v2/models/digits_multimax/ready").status_code == 200
     assert service_client.get("/v2/models/text_multimax/versions/1").json()["inputs"][0]["name"] == "input_ids"
     config = service_client.get("/v2/models/digits_multimax/config").json()
@@ -1030,4 +1035,5 @@ def test_torch_backend_serves_the_checkpoints(tmp_path: Path, service_digits: li
         r = client.post("/v1/completions", json={"model": "text_multimax", "prompt": "Return the", "max_tokens": 8,
                                                  "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert client.get("/v2/models/digits_multimax").json()["platform"] == "pytorch_libtorch"
+        meta = client.get("/v2/models/digits_multimax").json()
+        assert meta["platform"] == "pytorch_libtorch" and "fused_multimax" not in meta

@@ -36,6 +36,7 @@ class Library:
     path: Path | None
     reason: str = ""
     kernel_paths: tuple[str, ...] = ()  # instruction-set paths this CPU runs, the default first
+    compiled_paths: tuple[str, ...] = ()  # every path built into the library
 
     @property
     def available(self) -> bool:
@@ -61,14 +62,15 @@ def _locate() -> Library:
         return Library(None, f"cannot build it: {exc}")
     try:
         lib = ctypes.CDLL(str(path))
-        lib.MultiMaxKernelPaths.restype = ctypes.c_char_p
+        lib.MultiMaxKernelPaths.restype = lib.MultiMaxCompiledPaths.restype = ctypes.c_char_p
         paths = tuple(lib.MultiMaxKernelPaths().decode().split(","))
+        compiled = tuple(lib.MultiMaxCompiledPaths().decode().split(","))
         ort.SessionOptions().register_custom_ops_library(str(path))  # onnxruntime must accept it, too
     except (OSError, AttributeError) as exc:
         return Library(None, f"cannot load {path}: {exc}")
     except Exception as exc:  # onnxruntime's own Fail type
         return Library(None, f"onnxruntime {ort.__version__} rejects {path}: {str(exc).splitlines()[0]}")
-    return Library(path, kernel_paths=paths)
+    return Library(path, kernel_paths=paths, compiled_paths=compiled)
 
 
 @functools.cache
@@ -84,6 +86,17 @@ def kernel_path() -> str | None:
     """The instruction-set path sessions created now will use (MULTIMAX_ORT_ISA or the CPU's best)."""
     lib = library()
     return (os.environ.get("MULTIMAX_ORT_ISA") or lib.kernel_paths[0]) if lib.available else None
+
+
+def run_counts() -> tuple[int, int]:
+    """(kernel runs, runs whose output took x's buffer) of the fused ops in this process so far; (0, 0)
+    without the library. Sessions plan the output into x's buffer where x has no other reader."""
+    lib = library()
+    if lib.path is None:
+        return 0, 0
+    runs, in_place = ctypes.c_uint64(), ctypes.c_uint64()
+    ctypes.CDLL(str(lib.path)).MultiMaxRunCounts(ctypes.byref(runs), ctypes.byref(in_place))
+    return runs.value, in_place.value
 
 
 def register(options: ort.SessionOptions) -> bool:

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         "domain": "multimax",
         "ops": list(OPS) if lib.available else [],
         "kernel_paths": list(lib.kernel_paths),
+        "compiled_paths": list(lib.compiled_paths),
         "onnxruntime": ort.__version__,
     }
     if args.json:
@@ -32,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     elif lib.available:
         print(f"library: {lib.path}")
         print(f"ops: multimax::{', multimax::'.join(OPS)} (float32, CPUExecutionProvider)")
-        print(f"kernel paths on this CPU: {', '.join(lib.kernel_paths)} (default: {lib.kernel_paths[0]})")
+        print(
+            f"kernel paths on this CPU: {', '.join(lib.kernel_paths)} (default: {lib.kernel_paths[0]}; "
+            f"built: {', '.join(lib.compiled_paths)})"
+        )
         print(f"loads in onnxruntime {ort.__version__}")
     else:
         print(f"fused MultiMax ops unavailable: {lib.reason}", file=sys.stderr)

@@ -99,4 +99,3 @@ def fetch_debian_headers(dest: Path) -> None:
             raise HeadersUnavailable(f"{debs[0].name} holds no {HEADER}")
         shutil.rmtree(dest, ignore_errors=True)
         unpacked.rename(dest)
-

@@ -12,6 +12,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -20,12 +21,18 @@
 
 #include "rows.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #define MM_EXPORT __attribute__((visibility("default")))
 
 namespace multimax {
 namespace {
 
 const OrtApi* g_api = nullptr;
+// Kernel runs, and those whose output took x's buffer (MultiMaxRunCounts: diagnostics and tests).
+std::atomic<uint64_t> g_runs{0}, g_in_place_runs{0};
 
 OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) {
   return g_api->CreateStatus(code, ("multimax: " + msg).c_str());
@@ -38,11 +45,35 @@ OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT
 
 // ---- kernel path selection -------------------------------------------------------------------
 
+#if defined(__x86_64__)
+// What the CPU has AND the OS saves across context switches: CPUID's feature bits alone are not enough
+// (a kernel or hypervisor may leave the AVX/AVX-512 register state off), so XGETBV's XCR0 is checked too.
+struct X86Features {
+  bool avx2 = false, avx512 = false;
+};
+
+X86Features x86_features() {
+  X86Features f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & bit_FMA, osxsave = c & bit_OSXSAVE, avx = c & bit_AVX;
+  if (!osxsave || !avx) return f;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const bool ymm_state = (lo & 0x6) == 0x6;      // SSE + AVX state
+  const bool zmm_state = (lo & 0xe6) == 0xe6;    // ... + opmask, ZMM0-15 upper halves, ZMM16-31
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  f.avx2 = ymm_state && fma && (b & bit_AVX2);
+  f.avx512 = zmm_state && fma && (b & bit_AVX512F);
+  return f;
+}
+#endif
+
 bool cpu_has(const std::string& isa) {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const X86Features f = x86_features();
+  if (isa == "avx512") return f.avx512;
+  if (isa == "avx2") return f.avx2;
 #endif
   return isa == "portable";
 }
@@ -146,21 +177,33 @@ struct Job {
   int64_t x_last, m_last;                          // stride along the last axis: 1 or 0 (broadcast)
 };
 
+// Rows [begin, end): the x/mask offsets of the first from its index, then advanced like an odometer
+// (no division per row; a row is only ~200 elements).
 void run_rows(const Job& j, int64_t begin, int64_t end) {
+  const size_t dims = j.lead.size();
+  std::vector<int64_t> idx(dims);
+  int64_t xo = 0, mo = 0, rem = begin;
+  for (size_t d = dims; d-- > 0;) {
+    idx[d] = rem % j.lead[d];
+    rem /= j.lead[d];
+    xo += idx[d] * j.x_strides[d];
+    mo += idx[d] * j.m_strides[d];
+  }
   std::vector<float> xbuf, mbuf;  // only for rows broadcast along the softmax axis
   for (int64_t r = begin; r < end; ++r) {
-    int64_t xo = 0, mo = 0, rem = r;
-    for (size_t d = j.lead.size(); d-- > 0;) {
-      int64_t i = rem % j.lead[d];
-      rem /= j.lead[d];
-      xo += i * j.x_strides[d];
-      if (j.mask) mo += i * j.m_strides[d];
-    }
     const float* x = j.x + xo;
     const float* m = j.mask ? j.mask + mo : nullptr;
     if (j.x_last == 0) xbuf.assign(j.n, *x), x = xbuf.data();
     if (m && j.m_last == 0) mbuf.assign(j.n, *m), m = mbuf.data();
     j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
+    for (size_t d = dims; d-- > 0;) {
+      xo += j.x_strides[d];
+      mo += j.m_strides[d];
+      if (++idx[d] < j.lead[d]) break;
+      xo -= j.x_strides[d] * j.lead[d];
+      mo -= j.m_strides[d] * j.lead[d];
+      idx[d] = 0;
+    }
   }
 }
 
@@ -219,6 +262,11 @@ OrtStatus* create_kernel(Op op, const OrtKernelInfo* info, void** out) {
   return *out ? nullptr : fail("out of memory", ORT_FAIL);
 }
 
+void count_run(const void* x, const float* y) {
+  g_runs.fetch_add(1, std::memory_order_relaxed);
+  if (x == y) g_in_place_runs.fetch_add(1, std::memory_order_relaxed);
+}
+
 OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
   Tensor x, mask;
   MM_RETURN_IF_ERROR(read_input(ctx, 0, "x", &x));
@@ -240,6 +288,7 @@ OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
   }
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, out, &y));
+  count_run(x.data, y);
   Job j{k.rows, &k.params, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   if (j.n == 0 || numel(out) == 0) return nullptr;
   j.rows = numel(out) / j.n;
@@ -247,6 +296,7 @@ OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
   std::vector<int64_t> xst = broadcast_strides(x.shape, out);
   j.x_last = xst.back();
   j.x_strides.assign(xst.begin(), xst.end() - 1);
+  j.m_strides.assign(j.lead.size(), 0);
   if (k.op == Op::kMasked) {
     std::vector<int64_t> mst = broadcast_strides(mask.shape, out);
     j.mask = mask.data;
@@ -262,6 +312,7 @@ OrtStatus* compute_sigma(const Kernel& k, OrtKernelContext* ctx) {
   MM_RETURN_IF_ERROR(read_input(ctx, 0, "x", &x));
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, x.shape, &y));
+  count_run(x.data, y);
   Job j{k.rows, &k.params, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   return parallel(ctx, sigma_task, (j.n + kElementsPerTask - 1) / kElementsPerTask, &j);
 }
@@ -275,6 +326,73 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
   } catch (...) {
     return fail("unexpected internal error", ORT_FAIL);
   }
+}
+
+// ---- shape inference and in-place output -----------------------------------------------------
+
+// Output shape = x's (the masked op: x and mask broadcast, dimension by dimension where it is known).
+// Knowing it lets onnxruntime's planner give the output x's buffer when x has no other reader (GetMayInplace
+// below): one buffer less per node, and the output's lines are already in cache. Nothing is inferred
+// where the inputs' shapes are unknown; that is not an error.
+struct Dim {
+  int64_t value;      // -1: unknown
+  std::string name;   // symbolic name, if any
+};
+
+OrtStatus* dims_of(const OrtTensorTypeAndShapeInfo* info, std::vector<Dim>* out) {
+  size_t rank = 0;
+  MM_RETURN_IF_ERROR(g_api->GetDimensionsCount(info, &rank));
+  std::vector<int64_t> values(rank);
+  std::vector<const char*> names(rank, nullptr);
+  MM_RETURN_IF_ERROR(g_api->GetDimensions(info, values.data(), rank));
+  MM_RETURN_IF_ERROR(g_api->GetSymbolicDimensions(info, names.data(), rank));
+  out->clear();
+  for (size_t i = 0; i < rank; ++i) out->push_back({values[i], names[i] ? names[i] : ""});
+  return nullptr;
+}
+
+Dim broadcast_dim(const Dim& a, const Dim& b) {
+  if (a.value == 1) return b;
+  if (b.value == 1) return a;
+  if (a.value > 1) return a;  // b must be a.value (or the run fails the broadcast check)
+  if (b.value > 1) return b;
+  if (!a.name.empty() && a.name == b.name) return a;
+  return {-1, ""};
+}
+
+OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeInfo* x) {
+  OrtTensorTypeAndShapeInfo* mask = nullptr;
+  if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 1, &mask)) return g_api->ReleaseStatus(s), nullptr;
+  std::vector<Dim> xd, md;
+  MM_RETURN_IF_ERROR(dims_of(x, &xd));
+  MM_RETURN_IF_ERROR(dims_of(mask, &md));
+  if (xd.empty() || md.empty()) return nullptr;  // rank unknown (a scalar would fail the run anyway)
+  const size_t rank = std::max(xd.size(), md.size());
+  xd.insert(xd.begin(), rank - xd.size(), Dim{1, ""});
+  md.insert(md.begin(), rank - md.size(), Dim{1, ""});
+  std::vector<int64_t> values;
+  std::vector<const char*> names;
+  std::vector<Dim> out;
+  for (size_t i = 0; i < rank; ++i) out.push_back(broadcast_dim(xd[i], md[i]));
+  for (const Dim& d : out) values.push_back(d.value), names.push_back(d.name.c_str());
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  MM_RETURN_IF_ERROR(g_api->CreateTensorTypeAndShapeInfo(&info));
+  OrtStatus* s = g_api->SetTensorElementType(info, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  if (!s) s = g_api->SetDimensions(info, values.data(), rank);
+  if (!s) s = g_api->SetSymbolicDimensions(info, names.data(), rank);
+  if (!s) s = g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return s;
+}
+
+OrtStatus* infer_shape(Op op, OrtShapeInferContext* ctx) {
+  OrtTensorTypeAndShapeInfo* x = nullptr;  // owned by the context
+  if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &x)) return g_api->ReleaseStatus(s), nullptr;
+  if (op == Op::kMasked) return infer_masked_shape(ctx, x);
+  size_t rank = 0;
+  MM_RETURN_IF_ERROR(g_api->GetDimensionsCount(x, &rank));
+  if (rank == 0) return nullptr;  // rank unknown: infer nothing (MultiMaxSigma of a scalar is a scalar anyway)
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, x);
 }
 
 // ---- the OrtCustomOp tables ------------------------------------------------------------------
@@ -312,8 +430,23 @@ struct CustomOp : OrtCustomOp {
     KernelComputeV2 = [](void* k, OrtKernelContext* ctx) -> OrtStatusPtr { return compute(k, ctx); };
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
-    GetMayInplace = [](int**, int**) -> size_t { return 0; };
-    ReleaseMayInplace = [](int*, int*) {};
+    InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept -> OrtStatusPtr {
+      try {
+        return infer_shape(kOp, ctx);
+      } catch (...) {
+        return nullptr;  // no shape inferred: the output gets its own buffer
+      }
+    };
+    // The output may take x's buffer: every kernel reads an element before writing that same element,
+    // and rows (tasks) never overlap. Same-size buffers only (the planner checks the inferred shapes).
+    GetMayInplace = [](int** in, int** out) -> size_t {
+      *in = static_cast<int*>(std::malloc(sizeof(int)));
+      *out = static_cast<int*>(std::malloc(sizeof(int)));
+      if (!*in || !*out) return std::free(*in), std::free(*out), *in = *out = nullptr, 0;
+      **in = **out = 0;
+      return 1;
+    };
+    ReleaseMayInplace = [](int* in, int* out) { std::free(in), std::free(out); };
     GetAliasMap = [](int**, int**) -> size_t { return 0; };
     ReleaseAliasMap = [](int*, int*) {};
   }
@@ -358,6 +491,21 @@ MM_EXPORT const char* MultiMaxKernelPaths() {
     return out + "portable";
   }();
   return paths.c_str();
+}
+
+// Kernel runs in this process so far, and how many of them wrote their output into x's buffer.
+MM_EXPORT void MultiMaxRunCounts(uint64_t* runs, uint64_t* in_place) {
+  *runs = multimax::g_runs.load();
+  *in_place = multimax::g_in_place_runs.load();
+}
+
+// Every kernel path compiled into this library (whether or not this CPU runs it).
+MM_EXPORT const char* MultiMaxCompiledPaths() {
+#if defined(__x86_64__)
+  return "avx512,avx2,portable";
+#else
+  return "portable";
+#endif
 }
 
 }  // extern "C"
