@@ -32,7 +32,7 @@ import onnxruntime as ort
 import torch
 
 from export.bench import interleaved, make_checkpoints, timing_tables, write_results
-from export.cli import main as export_main
+from export.pipeline import ExportOptions, export_checkpoint
 from export.validate import cpu_session
 from models.checkpoint import load
 from plugins import ort_ops
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         mm_ckpt, sm_ckpt = make_checkpoints(tmp)
         for ckpt in (mm_ckpt, sm_ckpt):
-            if export_main([str(ckpt), "--quiet", "--no-validate"]):
+            options = ExportOptions(output=ckpt.with_suffix(".onnx"), validate=False, progress=False)
+            if export_checkpoint(ckpt, options).exit_code:
                 raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {

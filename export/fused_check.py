@@ -16,8 +16,17 @@ from plugins import ort_ops
 FUSED_ATOL = 1e-5  # fused kernels vs the inlined bodies: float32 rounding only
 
 
-def compare_fused(path: Path, feeds: list[dict[str, np.ndarray]], atol: float = FUSED_ATOL) -> dict[str, Any]:
-    """Max abs difference over every output and feed, with vs without the library; `failures` if > atol."""
+def compare_fused(
+    path: Path,
+    feeds: list[dict[str, np.ndarray]],
+    fused_outputs: list[list[np.ndarray]] | None = None,
+    atol: float = FUSED_ATOL,
+) -> dict[str, Any]:
+    """Max abs difference over every output and feed, with vs without the library; `failures` if > atol.
+
+    `fused_outputs`: every output of each feed, as a session with the library (ORT_ENABLE_ALL) already returned
+    them (the validation's own run), so only the function-body session is built here.
+    """
     from export.validate import cpu_session  # validate imports this module
 
     lib = ort_ops.library()
@@ -25,10 +34,13 @@ def compare_fused(path: Path, feeds: list[dict[str, np.ndarray]], atol: float = 
         return {"in_use": False, "reason": "the model has no multimax nodes", "failures": []}
     if not lib.available:
         return {"in_use": False, "reason": lib.reason, "failures": []}
-    fused, bodies = cpu_session(path, fused=True), cpu_session(path, fused=False)
+    if fused_outputs is None:
+        fused = cpu_session(path, fused=True)
+        fused_outputs = [fused.run(None, feed) for feed in feeds]
+    bodies = cpu_session(path, fused=False)
     worst = 0.0
-    for feed in feeds:
-        for a, b in zip(fused.run(None, feed), bodies.run(None, feed), strict=True):
+    for feed, outputs in zip(feeds, fused_outputs, strict=True):
+        for a, b in zip(outputs, bodies.run(None, feed), strict=True):
             worst = max(worst, float(np.abs(a.astype(np.float64) - b).max(initial=0.0)))
     failures = [] if worst <= atol else [f"fused MultiMax ops: max abs diff {worst:.3g} > {atol} vs function bodies"]
     return {

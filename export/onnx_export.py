@@ -20,6 +20,7 @@ import onnxscript
 import torch
 from torch import nn
 
+from export.fast_rewrites import op_type_filtered_rewrites
 from export.onnx_functions import function_protos
 from export.precision import DTYPES, Precision, quantize_int8
 from models.atomic import publish, staging_dir
@@ -164,7 +165,7 @@ def _trace(
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" chatter: not the user's concern
     try:
-        with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad():
+        with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad(), op_type_filtered_rewrites():
             warnings.simplefilter("ignore")
             return torch.onnx.export(
                 module,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from export import validate
-from export.cli import main, trt_unavailable
+from export.cli import main
+from export.pipeline import trt_unavailable
 from export.onnx_export import VISION_INPUT, VISION_OUTPUT, export_vision
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig, set_paper_params
