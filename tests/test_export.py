@@ -14,8 +14,8 @@ import torch
 
 from export import validate
 from export.cli import main
-from export.pipeline import trt_unavailable
 from export.onnx_export import VISION_INPUT, VISION_OUTPUT, export_vision
+from export.pipeline import trt_unavailable
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX

@@ -105,12 +105,14 @@ def test_filtered_rewrite_rules_wrap_most_rules() -> None:
     assert len(wrapped) == len(rules)
     assert sum(isinstance(r, fast_rewrites._OpTypeFiltered) for r in wrapped) >= len(rules) // 2
     with fast_rewrites.op_type_filtered_rewrites():
-        assert fast_rewrites.rewriter._DEFAULT_REWRITE_RULES != rules
+        assert rules != fast_rewrites.rewriter._DEFAULT_REWRITE_RULES
     assert fast_rewrites.rewriter._DEFAULT_REWRITE_RULES is rules
 
 
 @pytest.mark.parametrize("arch", ["deit", "gpt"])
-def test_filtered_rewrites_give_byte_identical_files(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filtered_rewrites_give_byte_identical_files(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if arch == "deit":
         model, checkpoint = tiny_deit()
         exporter = export_vision
