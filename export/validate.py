@@ -12,7 +12,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.fused_check import compare_fused
+from export.fused_check import FUSED_ATOL, compare_fused
 from export.onnx_export import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_io_names
 from export.progress import Phases
 from models.gpt import generate
@@ -155,11 +155,16 @@ def validate_vision(
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs)
+        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, fused_atol(tolerance))
     failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures
     return report
+
+
+def fused_atol(tolerance: Tolerance) -> float | None:
+    """The fused-ops check's limit: enforced where the logits' limit is (not for int8, whose deltas are reported)."""
+    return None if tolerance.logits_atol is None else FUSED_ATOL
 
 
 def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key: str = "top1_agreement") -> list[str]:
@@ -307,7 +312,8 @@ def validate_text(
             bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]], fused_outputs)
+        feeds = [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]]
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance))
     failures += report["fused_ops"]["failures"]
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")

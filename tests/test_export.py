@@ -226,6 +226,10 @@ def test_reduced_precision_variants(tmp_path: Path, flag: str, monkeypatch: pyte
     else:
         assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
         assert stats["nan_count"] == 0 and stats["top1_agreement"] >= 0.9
+        # The fused-ops check is reported like the other int8 deltas: a rounding difference in front of a dynamic
+        # quantization moves a value by a whole step (2.2e-3 on the digits model), far above fp32's 1e-5.
+        fused = report["validation"]["fused_ops"]
+        assert not fused["in_use"] or (fused["atol"] is None and not fused["failures"])
 
 
 @pytest.mark.parametrize("name", [VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX])
