@@ -38,7 +38,7 @@ import onnxruntime as ort
 import torch
 
 from benchmarks.export_time import interleaved, make_checkpoints, timing_tables, write_results
-from export.cli import main as export_main
+from export.pipeline import ExportOptions, export_checkpoint
 from models.checkpoint import load
 from models.multimax import paper_params
 from plugins import ort_ops
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         mm_ckpt, sm_ckpt = make_checkpoints(tmp)
         if set(args.only) - {"op"}:  # the op section needs no model
             for ckpt in (mm_ckpt, sm_ckpt):
-                if export_main([str(ckpt), "-o", str(ckpt.with_suffix(".onnx")), "--quiet", "--no-validate"]):
+                options = ExportOptions(output=ckpt.with_suffix(".onnx"), validate=False, progress=False)
+                if export_checkpoint(ckpt, options).exit_code:
                     raise RuntimeError(f"could not export {ckpt.name}")
         mm, sm = mm_ckpt.with_suffix(".onnx"), sm_ckpt.with_suffix(".onnx")
         sections = {

@@ -35,7 +35,7 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
-from export.cli import main as export_main
+from export.pipeline import ExportOptions, export_checkpoint
 from export.validate import cpu_session
 from models.checkpoint import load
 from models.cli import main as models_main
@@ -84,12 +84,12 @@ def make_checkpoints(tmp: Path) -> tuple[Path, Path]:
 
 def bench_export(ckpt: Path) -> dict[str, Any]:
     start = time.perf_counter()
-    code = export_main([str(ckpt), "--quiet"])
+    result = export_checkpoint(ckpt, ExportOptions(output=ckpt.with_suffix(".onnx"), progress=False))
     wall = time.perf_counter() - start
-    report = json.loads(ckpt.with_name(ckpt.stem + ".validation.json").read_text())
+    report = result.data
     v = report["validation"]
     return {
-        "exit_code": code,
+        "exit_code": result.exit_code,
         "wall_seconds": wall,
         "export_seconds": report["export_seconds"],
         "validation_seconds": report["validation_seconds"],
@@ -194,9 +194,8 @@ def bench_precision(tmp: Path) -> dict[str, Any]:
     ckpt = tmp / "digits.pt"
     ckpt.write_bytes((DEMO_DIR / VISION_MULTIMAX).read_bytes())
     for precision in ("fp32", "fp16", "int8"):
-        flag = [] if precision == "fp32" else [f"--{precision}"]
         path = tmp / f"digits_{precision}.onnx"
-        export_main([str(ckpt), "-o", str(path), "--quiet", "--no-validate", *flag])
+        export_checkpoint(ckpt, ExportOptions(output=path, precision=precision, validate=False, progress=False))
         preds = session(path).run(None, {"pixel_values": x})[0].argmax(-1)
         out[precision] = {
             "accuracy": float((preds == labels.numpy()).mean()),

@@ -36,19 +36,36 @@ def cpu_session(
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def compare_fused(path: Path, feeds: list[dict[str, np.ndarray]], atol: float = FUSED_ATOL) -> dict[str, Any]:
-    """Max abs difference over every output and feed, with vs without the library; `failures` if > atol."""
+def compare_fused(
+    path: Path,
+    feeds: list[dict[str, np.ndarray]],
+    fused_outputs: list[list[np.ndarray]] | None = None,
+    atol: float | None = FUSED_ATOL,
+) -> dict[str, Any]:
+    """Max abs difference over every output and feed, with vs without the library; `failures` if > atol.
+
+    `atol=None`: reported, not enforced (int8 graphs: a float32 rounding difference in front of a dynamic
+    quantization can move a value by a whole quantization step, 2.2e-3 on the digits model).
+
+    `fused_outputs`: every output of each feed, as a session with the library (ORT_ENABLE_ALL) already returned
+    them (the validation's own run), so only the function-body session is built here.
+    """
     lib = ort_ops.library()
     if not ort_ops.uses_multimax(path):
         return {"in_use": False, "reason": "the model has no multimax nodes", "failures": []}
     if not lib.available:
         return {"in_use": False, "reason": lib.reason, "failures": []}
-    fused, bodies = cpu_session(path, fused=True), cpu_session(path, fused=False)
+    if fused_outputs is None:
+        fused = cpu_session(path, fused=True)
+        fused_outputs = [fused.run(None, feed) for feed in feeds]
+    bodies = cpu_session(path, fused=False)
     worst = 0.0
-    for feed in feeds:
-        for a, b in zip(fused.run(None, feed), bodies.run(None, feed), strict=True):
+    for feed, outputs in zip(feeds, fused_outputs, strict=True):
+        for a, b in zip(outputs, bodies.run(None, feed), strict=True):
             worst = max(worst, float(np.abs(a.astype(np.float64) - b).max(initial=0.0)))
-    failures = [] if worst <= atol else [f"fused MultiMax ops: max abs diff {worst:.3g} > {atol} vs function bodies"]
+    failures = [] if atol is None or worst <= atol else [
+        f"fused MultiMax ops: max abs diff {worst:.3g} > {atol} vs function bodies"
+    ]
     return {
         "in_use": True, "library": str(lib.path), "kernel_path": ort_ops.kernel_path(), "feeds": len(feeds),
         "max_abs_vs_function_bodies": worst, "atol": atol, "failures": failures,
@@ -61,5 +78,6 @@ def fused_summary(report: dict[str, Any]) -> str:
         return f"fused MultiMax ops (onnxruntime): not used, {report['reason']}"
     return (
         f"fused MultiMax ops (onnxruntime, {report['kernel_path']}): max|diff| vs function bodies "
-        f"{report['max_abs_vs_function_bodies']:.2e} (limit {report['atol']:g})"
+        f"{report['max_abs_vs_function_bodies']:.2e} "
+        + ("(reported, not enforced)" if report["atol"] is None else f"(limit {report['atol']:g})")
     )

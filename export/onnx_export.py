@@ -18,6 +18,7 @@ import onnxscript
 import torch
 from torch import nn
 
+from export.fast_rewrites import op_type_filtered_rewrites
 from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
@@ -155,7 +156,7 @@ def _trace(
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" chatter: not the user's concern
     try:
-        with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad():
+        with warnings.catch_warnings(), onnx_export_params(module), torch.no_grad(), op_type_filtered_rewrites():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module,

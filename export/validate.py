@@ -12,7 +12,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.fused_check import compare_fused, cpu_session
+from export.fused_check import FUSED_ATOL, compare_fused, cpu_session
 from export.progress import Phases
 from models import onnx_contract as contract
 from models import registry
@@ -41,6 +41,11 @@ TOLERANCES = {
 }
 LEVELS = {"ORT_ENABLE_ALL": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
           "ORT_ENABLE_BASIC": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
+# The fused-ops check compares this level's session (the fused ops registered, as `cpu_session` does by default)
+# with the function bodies, over the first inputs of the validation (vision: 4 batches, text: 8 calls).
+FUSED_LEVEL = "ORT_ENABLE_ALL"
+FUSED_CHECK_FEEDS = 4
+FUSED_CHECK_TEXT_FEEDS = 8
 
 
 def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
@@ -135,26 +140,36 @@ def validate_vision(
             bar.update(len(x))
     report: dict[str, Any] = {"samples": samples, "batch_sizes": list(batch_sizes), "tolerance": asdict(tolerance)}
     failures: list[str] = []
+    feeds = [{VISION_INPUT: x.numpy()} for x in batches]
+    fused_feeds = feeds[:FUSED_CHECK_FEEDS]
+    fused_outputs: list[list[np.ndarray]] = []  # ORT_ENABLE_ALL's, with the fused ops: reused by their check
     for name, level in LEVELS.items():
         with phases.phase(f"onnxruntime {name}", total=samples, unit="image") as bar:
             session = cpu_session(path, level)
             diffs, rels, agree, nans = [], [], 0, 0
-            for x, ref in zip(batches, refs, strict=True):
-                out = session.run([VISION_OUTPUT], {VISION_INPUT: x.numpy()})[0]
+            for feed, ref in zip(feeds, refs, strict=True):
+                out = session.run([VISION_OUTPUT], feed)[0]
+                if name == FUSED_LEVEL and len(fused_outputs) < len(fused_feeds):
+                    fused_outputs.append([out])
                 nans += int(np.isnan(out).sum())
                 diff = np.abs(out - ref)
                 diffs.append(diff.ravel())
                 rels.append((diff / np.maximum(np.abs(ref), 1e-6)).ravel())
                 agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
-                bar.update(len(x))
+                bar.update(len(ref))
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, [{VISION_INPUT: x.numpy()} for x in batches[:4]])
+        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, fused_atol(tolerance))
     failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures
     return report
+
+
+def fused_atol(tolerance: Tolerance) -> float | None:
+    """The fused-ops check's limit: enforced where the logits' limit is (not for int8, whose deltas are reported)."""
+    return None if tolerance.logits_atol is None else FUSED_ATOL
 
 
 def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key: str = "top1_agreement") -> list[str]:
@@ -243,6 +258,7 @@ def validate_text(
         "tolerance": asdict(tolerance),
     }
     failures: list[str] = []
+    fused_outputs: list[list[np.ndarray]] = []  # ORT_ENABLE_ALL's, with the fused ops: reused by their check
     for name, level in LEVELS.items():
         with phases.phase(f"onnxruntime {name}", total=samples, unit="case") as bar:
             session = cpu_session(path, level)
@@ -252,6 +268,8 @@ def validate_text(
             nans, agree, rows = 0, 0, 0
             for feed, refs in cases:
                 outs = session.run(output_names, feed)
+                if name == FUSED_LEVEL and len(fused_outputs) < FUSED_CHECK_TEXT_FEEDS:
+                    fused_outputs.append(outs)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)
                 diff = np.abs(outs[0] - refs[0])
                 logit_diffs.append(diff.ravel())
@@ -275,7 +293,8 @@ def validate_text(
             bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, [feed for feed, _ in cases[:8]])
+        feeds = [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]]
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance))
     failures += report["fused_ops"]["failures"]
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")

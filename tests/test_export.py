@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from export import validate
-from export.cli import main, trt_unavailable
+from export.cli import main
 from export.onnx_export import export_vision
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig, set_paper_params
 from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 from models.onnx_contract import VISION_INPUT, VISION_OUTPUT
 from models.tokenizer import ByteTokenizer
+from plugins.trt_plugin import tensorrt_unavailable as trt_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,10 @@ def test_reduced_precision_variants(tmp_path: Path, flag: str, monkeypatch: pyte
     else:
         assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
         assert stats["nan_count"] == 0 and stats["top1_agreement"] >= 0.9
+        # The fused-ops check is reported like the other int8 deltas: a rounding difference in front of a dynamic
+        # quantization moves a value by a whole step (2.2e-3 on the digits model), far above fp32's 1e-5.
+        fused = report["validation"]["fused_ops"]
+        assert not fused["in_use"] or (fused["atol"] is None and not fused["failures"])
 
 
 @pytest.mark.parametrize("name", [VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX])

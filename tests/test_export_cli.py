@@ -108,10 +108,10 @@ def test_phase_line_ticks_while_a_long_call_is_silent(
 def test_reference_threads_follow_idle_cores_and_the_callers_setting_survives(
     ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import export.cli
+    import export.pipeline
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(export.cli, "idle_cores", lambda: 1)  # a busy machine
+    monkeypatch.setattr(export.pipeline, "idle_cores", lambda: 1)  # a busy machine
     before = torch.get_num_threads()
     code, lines, report = run_cli([str(ckpts["multimax"]), "--samples", "3"], capsys)
     assert code == 0 and report["torch_threads"] == 1 and "(PyTorch threads 1)" in "\n".join(lines)

@@ -76,8 +76,11 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images - 0.5) / 0.5
 
 
-# Resampling filters people upscale a small digit with ("area" stands for a downscaled large drawing).
+# Resampling filters people upscale a small digit with ("area" stands for a downscaled large drawing), and how often
+# each is drawn: blocky nearest-neighbour upscales twice as often as each other filter (with equal shares they
+# stayed the weakest input, 96.4% / 96.7% held out for MultiMax / softmax).
 RESAMPLE_MODES = ("bilinear", "nearest", "bicubic", "area")
+RESAMPLE_WEIGHTS = (1.0, 2.0, 1.0, 1.0)
 MIN_DIGIT_SIZE = 24  # the digit's box side on the 32x32 canvas: half of them 32 (filling it, as users draw), else 24-31
 
 
@@ -87,7 +90,7 @@ def augment(digits8: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     (dark ink on a light background)."""
     n = digits8.shape[0]
     out = torch.zeros(n, 1, IMAGE_SIZE, IMAGE_SIZE)
-    modes = torch.randint(0, len(RESAMPLE_MODES), (n,), generator=generator)
+    modes = torch.multinomial(torch.tensor(RESAMPLE_WEIGHTS), n, replacement=True, generator=generator)
     sizes = torch.randint(MIN_DIGIT_SIZE, IMAGE_SIZE, (n,), generator=generator)
     unit = torch.rand(n, 5, generator=generator)
     sizes = torch.where(unit[:, 4] < 0.5, IMAGE_SIZE, sizes)

@@ -1,0 +1,176 @@
+"""The export pipeline as a library function: a checkpoint path and options in, a report out.
+
+`export_checkpoint` loads the checkpoint, exports it, checks the graph, validates it against PyTorch in
+onnxruntime (both optimisation levels, the fused MultiMax ops against their function bodies), optionally
+builds a TensorRT engine, and writes `<name>.validation.json` beside the ONNX file. `python -m export` is a thin
+CLI over it; the demo exporter and the benchmarks call it directly.
+
+Bad input raises `ExportError` or `CheckpointError` (one line each, exit code 2 in the CLI) before anything is
+written; a missed tolerance is not an exception but `passed=False` in the report (exit code 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from export.onnx_export import DEFAULT_OPSET, ExportError
+from export.precision import Precision
+from export.progress import Phases, exporter_stages
+from export.summary import summary, verdict
+from export.tasks import export_task
+from export.threads import idle_cores
+from export.validate import TOLERANCES, check_graph
+from models.checkpoint import load
+from plugins.trt_plugin import tensorrt_unavailable
+
+MIN_OPSET = 18
+DEFAULT_BATCH_SIZES = (1, 2, 8)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How to export; the defaults are `python -m export CKPT`'s."""
+
+    output: Path | None = None  # None: <checkpoint stem>[.<precision>].onnx in the current directory
+    opset: int = DEFAULT_OPSET
+    inline: bool = False  # the flat elementwise graph instead of MultiMax nodes
+    precision: Precision = "fp32"
+    validate: bool = True
+    samples: int | None = None  # None: 100 (vision: fewer for large models, every batch size at least once)
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    num_heads: int | None = None  # for foreign checkpoints that do not store it
+    trt: bool = False
+    threads: int | None = None  # PyTorch threads for the reference pass; None: the cores idle at the start
+    progress: bool = True
+    # Name the checkpoint and ONNX file in the report relative to this directory (the shipped demo reports
+    # name files, not this machine's paths); None: as given.
+    report_relative_to: Path | None = None
+
+
+@dataclass
+class ExportReport:
+    """What an export produced and found; `data` is the JSON written to `report_path`."""
+
+    onnx: Path
+    report_path: Path
+    data: dict[str, Any]
+    summary: str = field(repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.data["passed"])
+
+    @property
+    def verdict(self) -> str:
+        return str(self.data["verdict"])
+
+    @property
+    def problems(self) -> list[str]:
+        return list(self.data["problems"])
+
+    @property
+    def exit_code(self) -> int:
+        """0 passed (or reported / not validated), 1 a tolerance was missed."""
+        return 0 if self.passed else 1
+
+
+def check_options(options: ExportOptions) -> None:
+    """Every option error, before any work (ExportError: one line for the user)."""
+    if options.opset < MIN_OPSET:
+        raise ExportError(f"--opset {options.opset} is too old; MultiMax export needs opset >= {MIN_OPSET}")
+    if options.samples is not None and options.samples < 1:
+        raise ExportError(f"--samples must be >= 1, got {options.samples}")
+    if not options.batch_sizes or min(options.batch_sizes) < 1:
+        raise ExportError(f"batch sizes must be >= 1, got {list(options.batch_sizes)}")
+    if options.threads is not None and options.threads < 1:
+        raise ExportError(f"--threads must be >= 1, got {options.threads}")
+    if options.precision not in TOLERANCES:
+        raise ExportError(f"unknown precision {options.precision!r} (known: {', '.join(TOLERANCES)})")
+    if options.trt:
+        reason = tensorrt_unavailable()
+        if reason:
+            raise ExportError(f"--trt: {reason}")
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], options: ExportOptions = ExportOptions()) -> ExportReport:
+    """Export `checkpoint` to ONNX, check and validate it, write the JSON report; see the module docstring."""
+    check_options(options)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(options.threads or idle_cores())
+    try:
+        return _export(Path(checkpoint), options)
+    finally:
+        torch.set_num_threads(previous)  # a caller in the same process (tests, export.demos) keeps its own
+
+
+def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
+    precision = options.precision
+    phases = Phases(show=options.progress)
+    with phases.phase("load checkpoint"):
+        model, ckpt, _ = load(ckpt_path, num_heads=options.num_heads)
+    suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
+    out = Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
+    if not out.parent.is_dir():
+        raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
+    task = export_task(ckpt.arch)
+    exporter = task.export
+    label = f"export {ckpt.arch} ({precision})"
+    with phases.phase(label) as bar, exporter_stages(bar, label):
+        try:
+            exporter(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision, verbose=True)
+        except OSError as exc:
+            raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+    report: dict[str, Any] = {
+        "checkpoint": _named(ckpt_path, options.report_relative_to),
+        "onnx": _named(out, options.report_relative_to),
+        "arch": ckpt.arch,
+        "precision": precision,
+        "multimax_places": [p for p in ("attention", "output") if ckpt.config.get(f"multimax_{p}")],
+        "inlined": options.inline,
+        "export_seconds": round(phases.times[label], 2),
+        "torch_threads": torch.get_num_threads(),
+    }
+    with phases.phase("check graph"):
+        report["graph"] = check_graph(out, ckpt.arch)
+    if options.validate:
+        start = time.perf_counter()
+        tolerance = TOLERANCES[precision]
+        report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance, phases)
+        report["validation_seconds"] = round(time.perf_counter() - start, 2)
+    problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
+    if options.trt and not problems:
+        with phases.phase("TensorRT engine"):
+            report["engine"] = build_trt_engine(out, fp16=precision == "fp16")
+        problems += [report["engine"]["error"]] if "error" in report["engine"] else []
+    report["problems"] = problems
+    report["passed"] = not problems
+    report["verdict"] = verdict(report)
+    report["phase_seconds"] = {name: round(t, 2) for name, t in phases.times.items()}
+    report_path = out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return ExportReport(out, report_path, report, summary(report, report_path, phases))
+
+
+def _named(path: Path, base: Path | None) -> str:
+    return str(path) if base is None else os.path.relpath(path.resolve(), base.resolve())
+
+
+def build_trt_engine(onnx_path: Path, fp16: bool) -> dict:
+    """The engine with the MultiMax plugin; a fallback to the elementwise bodies is a failure (exit 1)."""
+    from plugins.build_engine import BuildError, PluginFallbackError, build_engine
+
+    start = time.perf_counter()
+    try:
+        engine = build_engine(onnx_path, onnx_path.with_suffix(".engine"), fp16=fp16)
+    except BuildError as exc:
+        raise ExportError(f"--trt: {exc}") from None
+    except PluginFallbackError as exc:
+        return {"error": str(exc)}
+    return {"path": str(engine), "seconds": round(time.perf_counter() - start, 2)}

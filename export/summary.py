@@ -1,0 +1,82 @@
+"""What an export's report says to a person: the verdict line and the console summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export.fused_check import fused_summary
+from export.progress import Phases
+from export.tasks import export_task
+
+
+def multimax_line(report: dict) -> str:
+    """What the graph holds, said plainly (a model without MultiMax says so)."""
+    g, places = report["graph"], report["multimax_places"]
+    if not places:
+        return "no MultiMax in this model (softmax only)"
+    where = " + ".join(places)
+    if report["inlined"]:
+        return f"MultiMax ({where}) inlined as elementwise ops (--inline)"
+    return f"{g['multimax_nodes']} MultiMax nodes ({where}): {', '.join(g['custom_nodes'])}"
+
+
+def verdict(report: dict) -> str:
+    """One honest line: "passed" only when the enforced limits were checked and held."""
+    if report["problems"]:
+        return "FAILED: " + "; ".join(report["problems"])
+    v = report.get("validation")
+    if not v:
+        return "not validated (--no-validate): graph checked only"
+    tol = v["tolerance"]
+    if tol["logits_atol"] is None and tol["top1_min"] is None:
+        key = export_task(report["arch"]).agreement_key
+        worst = min(v[level][key] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
+        worst_diff = max(v[level]["max_abs"] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
+        return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, "
+                f"max|diff| {worst_diff:.2g} (no NaN: checked)")
+    return "passed"
+
+
+def summary(report: dict, report_path: Path, phases: Phases) -> str:
+    g = report["graph"]
+    lines = [
+        f"wrote {report['onnx']} in {report['export_seconds']:.1f} s (opset {g['opset'].get('ai.onnx')}, "
+        f"{multimax_line(report)})",
+    ]
+    v = report.get("validation")
+    if v:
+        top1 = export_task(report["arch"]).agreement_key
+        for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
+            s = v[level]
+            kv = f"  present {s['present_max_abs']:.2e}" if "present_max_abs" in s else ""
+            lines.append(
+                f"  {level:<17} max|diff| {s['max_abs']:.2e}  mean {s['mean_abs']:.2e}  p99 {s['p99_abs']:.2e}{kv}  "
+                f"top-1 agreement {s[top1]:.0%}  NaN {s['nan_count']}"
+            )
+        if "greedy" in v:
+            gen = v["greedy"]
+            lines.append(
+                f"  greedy generation: {gen['identical']}/{gen['prompts']} identical over {gen['tokens']} tokens"
+            )
+        if "fused_ops" in v:
+            lines.append("  " + fused_summary(v["fused_ops"]))
+        shapes = export_task(report["arch"]).shapes(v)
+        lines.append(f"  {v['samples']} random inputs, {shapes}; limits: {limits(v['tolerance'], report['arch'])}")
+    engine = report.get("engine")
+    if engine and "path" in engine:
+        lines.append(f"  TensorRT engine with the MultiMax plugin: {engine['path']} ({engine['seconds']:.1f} s)")
+    lines.append(f"  times: {phases.summary()} (PyTorch threads {report['torch_threads']})")
+    lines.append(report["verdict"])
+    lines.append(f"report: {report_path}")
+    return "\n".join(lines)
+
+
+def limits(tolerance: dict, arch: str) -> str:
+    parts = []
+    if tolerance["logits_atol"] is not None:
+        parts.append(f"max|diff| <= {tolerance['logits_atol']:g}")
+    if tolerance["top1_min"] is not None:
+        parts.append(f"top-1 >= {tolerance['top1_min']:.0%}")
+    if tolerance["greedy_exact"] and export_task(arch).greedy_checked:
+        parts.append("identical greedy text")
+    return ", ".join([*parts, "no NaN"])
