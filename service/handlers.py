@@ -15,7 +15,7 @@ from starlette.responses import Response
 from service.endpoint import count_refused
 from service.errors import ServiceError, error_response
 
-log = logging.getLogger("service")
+log = logging.getLogger(__name__)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from export import fast_rewrites, validate
+from export import fast_rewrites, fused_check, validate
 from export.onnx_export import ExportError, export_text, export_vision
 from export.pipeline import ExportOptions, ExportReport, export_checkpoint
 from models.checkpoint import Checkpoint, save_checkpoint
@@ -88,7 +89,13 @@ def test_the_fused_check_reuses_the_validation_session(
         pytest.skip(f"fused ops library not available: {ort_ops.library().reason}")
     made: list[bool] = []
     real = validate.cpu_session
-    monkeypatch.setattr(validate, "cpu_session", lambda *a, **k: made.append(k.get("fused", True)) or real(*a, **k))
+    def recording(*a: Any, **k: Any) -> Any:
+        made.append(k.get("fused", True))
+        return real(*a, **k)
+
+    # validate builds the level sessions, fused_check the function-body one: count both
+    monkeypatch.setattr(validate, "cpu_session", recording)
+    monkeypatch.setattr(fused_check, "cpu_session", recording)
     report = export_checkpoint(ckpt, ExportOptions(output=tmp_path / "t.onnx", samples=11, progress=False))
     assert report.passed and made == [True, True, False]
     fused = report.data["validation"]["fused_ops"]
