@@ -250,7 +250,13 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
                 busy = [asyncio.ensure_future(post()) for _ in range(3)]  # one computing (held), two queued
                 until = time.monotonic() + 30
                 while rt.models["digits_multimax"].batcher.queued < 2:
-                    assert time.monotonic() < until, "the two requests never queued"
+                    if time.monotonic() >= until:  # say where the three requests are, so a failure explains itself
+                        states = [f.result().status_code if f.done() and not f.exception() else
+                                  repr(f.exception()) if f.done() else "pending" for f in busy]
+                        raise AssertionError(f"the two requests never queued: queued "
+                                             f"{rt.models['digits_multimax'].batcher.queued}, requests {states}, "
+                                             f"gate held {not gate.is_set()}, threads "
+                                             f"{sorted(t.name for t in threading.enumerate())}")
                     await asyncio.sleep(0.01)
                 read = False
 
