@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import uvicorn
 
-from service.config import load_settings
+from service.config import Settings, load_settings
+from service.logs import configure_logging
 from service.registry import RegistryError
 from service.slowclient import header_timeout_protocol
 
@@ -17,7 +17,7 @@ SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
     from service.app import create_app
 
     # The model threads need the GIL back between (and, for PyTorch, inside) their steps; with the default 5 ms
@@ -33,11 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests and streams finish (up to
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.access_log,
+                # Logging is configured above (text or JSON, with request ids); the access log line comes from
+                # service.access, which knows the model, endpoint and durations uvicorn's does not.
+                log_config=None, access_log=False, **tls_options(settings),
                 # uvicorn annotates int, but takes any number of seconds (it is an asyncio timeout)
                 timeout_graceful_shutdown=settings.graceful_timeout_s,  # type: ignore[arg-type]
                 http=header_timeout_protocol(settings.header_timeout_s))
     return 0
+
+
+def tls_options(settings: Settings) -> dict[str, str | None]:
+    if not settings.ssl_certfile:
+        return {}
+    return {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile,
+            "ssl_keyfile_password": settings.ssl_keyfile_password or None}
 
 
 if __name__ == "__main__":

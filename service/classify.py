@@ -23,6 +23,7 @@ from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
 from service.runtime import VisionRuntime, softmax
+from service.tracing import phase
 from service.vision import Preprocess, load_and_preprocess
 
 router = APIRouter(tags=["classification"])
@@ -189,7 +190,8 @@ async def classify(name: str, request: Request) -> Response:
         top_k, timeout = query_params(request)
         rt = call.runtime(name, VisionRuntime)
         rt.batcher.check_room()  # a request that will get 429 is refused before its body is read
-        rows = await decode_request(request, rt, settings)
+        with phase("preprocess"):
+            rows = await decode_request(request, rt, settings)
         due = call.deadline(timeout)
         step = settings.max_batch_size
         chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
@@ -205,5 +207,6 @@ async def classify(name: str, request: Request) -> Response:
         probs = softmax(np.concatenate([r.output for r in results]))
         if not np.isfinite(probs).all():
             raise non_finite_error("probabilities")
-        body = dumps(encode_response(name, rt.labels, probs, top_k))
+        with phase("encode"):
+            body = dumps(encode_response(name, rt.labels, probs, top_k))
     return Response(body, media_type="application/json")

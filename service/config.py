@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "MULTIMAX_SERVE_"
+SECRET_OPTIONS = ("api_key", "ssl_keyfile_password")  # --help shows no default, errors never show the value
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
+LOG_FORMATS = ("text", "json")
 
 
 def _default_model_dir() -> Path:
@@ -75,6 +77,22 @@ class Settings:
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    # Tracing and access control (service.access, service.auth, service.tracing; docs/SERVICE.md).
+    log_format: str = "text"
+    otlp_endpoint: str = ""  # empty: no tracing
+    api_key: tuple[str, ...] = field(default=(), repr=False)  # never shown, never logged
+    api_key_file: str = ""
+    auth_health: bool = False  # health and readiness need the key too
+    auth_metrics: bool = False
+    cors_allow_origins: tuple[str, ...] = ()  # empty: no CORS headers (browsers keep cross-origin pages out)
+    cors_allow_methods: tuple[str, ...] = ("GET", "POST")
+    cors_allow_headers: tuple[str, ...] = ("Authorization", "Content-Type", "X-Request-Id")
+    cors_allow_credentials: bool = False
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_keyfile_password: str = field(default="", repr=False)
+    # api_key and api_key_file's keys together, read once here (a missing file is an error at start, exit 2)
+    api_keys: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -95,9 +113,15 @@ class Settings:
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_access()
+
+    def _check_access(self) -> None:
+        from service.access_config import check_access  # the TLS, key file and tracing checks, apart
+
+        object.__setattr__(self, "api_keys", check_access(self))
 
     def replace(self, **changes: Any) -> Settings:
-        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self)} | changes)
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self) if f.init} | changes)
 
 
 @dataclass(frozen=True)
@@ -107,6 +131,7 @@ class _Option:
     help: str
     metavar: str | None = None
     choices: Sequence[str] | None = None
+    repeat: bool = False  # may be given several times on the command line (each a comma list); values add up
 
 
 OPTIONS: tuple[_Option, ...] = (
@@ -146,7 +171,26 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
     _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
-    _Option("access_log", _bool, "log every request", "BOOL"),
+    _Option("access_log", _bool, "log every request (method, path, status, durations, model, request id)", "BOOL"),
+    # Tracing and access control.
+    _Option("log_format", str, "log lines as text, or one JSON object per line", choices=LOG_FORMATS),
+    _Option("otlp_endpoint", str, "send OpenTelemetry traces (one span per request) to this OTLP/HTTP endpoint, "
+            "e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra (empty: off)", "URL"),
+    _Option("api_key", _names, "require `Authorization: Bearer KEY` with one of these keys (repeatable; the "
+            "environment variable takes a comma list); never logged", "KEY", repeat=True),
+    _Option("api_key_file", str, "file of API keys, one per line (# comments and blank lines ignored)", "PATH"),
+    _Option("auth_health", _bool, "with API keys: health and readiness need a key too", "BOOL"),
+    _Option("auth_metrics", _bool, "with API keys: /metrics needs a key too", "BOOL"),
+    _Option("cors_allow_origins", _names, "CORS: comma-separated origins allowed to call from a browser, or * "
+            "(empty: CORS off)", "ORIGINS"),
+    _Option("cors_allow_methods", _names, "CORS: allowed methods", "METHODS"),
+    _Option("cors_allow_headers", _names, "CORS: allowed request headers", "HEADERS"),
+    _Option("cors_allow_credentials", _bool, "CORS: allow credentialed requests (cookies; not needed for "
+            "bearer keys; not with origin *)", "BOOL"),
+    _Option("ssl_certfile", str, "TLS: certificate file (PEM, chain first) -- serve HTTPS", "PATH"),
+    _Option("ssl_keyfile", str, "TLS: private key file (PEM)", "PATH"),
+    _Option("ssl_keyfile_password", str, "TLS: password of an encrypted key file (prefer the environment "
+            "variable: the command line is visible to other users)", "PASSWORD"),
 )
 
 
@@ -171,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = opt.choices
         else:
             kwargs["metavar"] = opt.metavar
+        if opt.repeat:
+            kwargs["action"] = "append"
+        if opt.name in SECRET_OPTIONS:
+            kwargs["help"] = f"{opt.help} [env {env_name(opt.name)}]"
         parser.add_argument("--" + opt.name.replace("_", "-"), type=opt.parse, **kwargs)
     return parser
 
@@ -185,6 +233,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         cli = getattr(args, opt.name)
+        if cli is not None and opt.repeat:
+            cli = tuple(v for part in cli for v in part)  # --api-key a --api-key b,c: (a, b, c)
         if cli is not None:
             values[opt.name] = cli
         elif env_name(opt.name) in environ:

@@ -24,9 +24,11 @@ from starlette.requests import Request
 from starlette.routing import Match
 
 from service.config import Settings
+from service.context import current
 from service.lifecycle import Tracker, deadline, outcome_of, tracked, unless_disconnected
 from service.metrics import UNKNOWN_MODEL
 from service.runtime import R, Runtimes
+from service.tracing import record_timing
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,8 +66,9 @@ class ModelCall:
         return await unless_disconnected(self.request, work)
 
     def timing(self, queue_s: float, compute_s: float) -> None:
-        """What Server-Timing reports for this request."""
+        """What Server-Timing reports for this request (and its trace, as `queue` and `model` spans)."""
         self.request.state.timing.set(queue_s, compute_s)
+        record_timing(queue_s, compute_s)
 
 
 def labelled_routes(*routers: Any) -> list[Any]:
@@ -86,6 +89,9 @@ async def model_call(request: Request, model: str, *, finish: bool = True) -> As
     """Track the request under its model and the route's label; `finish=False`: a streaming endpoint finishes
     the tracker itself when its stream ends."""
     runtimes: Runtimes = request.app.state.runtimes
+    ctx = current()
+    if ctx is not None:  # for log lines and the trace
+        ctx.model, ctx.endpoint = runtimes.label(model), endpoint_label(request)
     async with tracked(runtimes.metrics, runtimes.label(model), endpoint_label(request), finish=finish) as tracker:
         yield ModelCall(request, runtimes, tracker)
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from starlette.responses import Response
 
+from service.context import current_id
+
 log = logging.getLogger(__name__)
 
 # outcome label of the requests counter, by status
@@ -20,6 +22,7 @@ OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "ti
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # what OpenAI answers for a wrong key (code invalid_api_key)
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout",
@@ -65,7 +68,16 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 
 def openai_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+    error = {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}
+    request_id = current_id()
+    if request_id is not None:
+        error["request_id"] = request_id  # beside OpenAI's four fields: what to quote when reporting the error
+    return {"error": error}
+
+
+def kserve_body(message: str) -> dict[str, Any]:
+    request_id = current_id()
+    return {"error": message} if request_id is None else {"error": message, "request_id": request_id}
 
 
 def is_kserve(path: str) -> bool:
@@ -74,7 +86,7 @@ def is_kserve(path: str) -> bool:
 
 def error_response(path: str, status: int, message: str, *, code: str | None = None, param: str | None = None,
                    headers: dict[str, str] | None = None) -> Response:
-    body = {"error": message} if is_kserve(path) else openai_body(status, message, code, param)
+    body = kserve_body(message) if is_kserve(path) else openai_body(status, message, code, param)
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
@@ -82,6 +94,7 @@ def error_response(path: str, status: int, message: str, *, code: str | None = N
 
 _WHY = {
     400: "invalid request: malformed body, value out of range, tensor that does not fit the model",
+    401: "missing or wrong API key (when the server has API keys)",
     404: "unknown model, version or route",
     408: "request body not received within body_timeout_s",
     413: "body over max_body_bytes (JSON: over max_json_bytes)",
@@ -95,8 +108,10 @@ _WHY = {
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-_KSERVE_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+                   "request_id": {"type": "string"}}}}}
+_KSERVE_ERROR = {"type": "object", "required": ["error"],
+                 "properties": {"error": {"type": "string"}, "request_id": {"type": "string"}}}
 
 MODEL_CALL = (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
 LOOKUP = (404,)  # metadata of one model

@@ -22,6 +22,7 @@ from service.errors import LOOKUP, MODEL_CALL, ServiceError, error_responses
 from service.jsonio import check_size, dumps, loads
 from service.kserve_codec import DTYPES, HEADER_LENGTH, bad, decode_tensors, encode_outputs, parse_body
 from service.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
+from service.tracing import phase
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
@@ -280,8 +281,9 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
             rt.batcher.check_room()
         else:
             rt.scheduler.check_exclusive_room()
-        header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
-        tensors = decode_tensors(header, binary, settings.max_body_bytes)
+        with phase("preprocess"):
+            header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
+            tensors = decode_tensors(header, binary, settings.max_body_bytes)
         params = header.get("parameters") or {}
         timeout_us = params.get("timeout") if isinstance(params, dict) else None
         requested = timeout_us / 1e6 if isinstance(timeout_us, (int, float)) and timeout_us > 0 else None
@@ -297,7 +299,8 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
         else:
             ids, mask = text_inputs(rt, tensors, settings.max_batch_size)
             outputs = {LOGITS: await _text_forward(rt, ids, mask, call)}
-        response = encode_response(rt, header, outputs)
+        with phase("encode"):
+            response = encode_response(rt, header, outputs)
     return response
 
 

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.endpoint import count_refused
-from service.errors import error_response
+from service.errors import error_response, openai_body
 
 
 @dataclass
@@ -160,8 +160,7 @@ class GraceExpiry(HttpMiddleware):
                                           headers={"Connection": "close", "Retry-After": "1"})
                 await response(scope, receive, send)
             elif started.get(b"content-type", b"").startswith(b"text/event-stream"):
-                body = {"error": {"message": message, "type": "service_unavailable", "param": None,
-                                  "code": "shutting_down"}}
+                body = openai_body(503, message, "shutting_down")
                 event = b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
                 await send({"type": "http.response.body", "body": event, "more_body": False})
             else:

@@ -29,6 +29,7 @@ from service.generation import GenSequence, SamplingParams, TextStream
 from service.jsonio import check_size, loads
 from service.lifecycle import Tracker
 from service.runtime import ModelRuntime, Runtimes, TextRuntime
+from service.tracing import phase
 
 router = APIRouter(tags=["openai"])
 OWNER = "multimax-serve"
@@ -307,7 +308,8 @@ async def completions(request: Request) -> Response:
     settings = runtimes.settings
     try:
         _text_models_full(runtimes)
-        req = await read_completion(request, runtimes)
+        with phase("preprocess"):
+            req = await read_completion(request, runtimes)
     except (ServiceError, RequestValidationError, HTTPException) as exc:
         if isinstance(exc, ServiceError):
             count_refused(request.app, request.scope, exc.status)
@@ -316,7 +318,8 @@ async def completions(request: Request) -> Response:
         tracker = call.tracker
         rt = call.runtime(req.model, TextRuntime)
         _unsupported(req)
-        prompts = prompts_of(req, rt, settings.max_prompts_per_request)
+        with phase("tokenize"):
+            prompts = prompts_of(req, rt, settings.max_prompts_per_request)
         context = rt.context_length
         changed = asyncio.Event()
         seqs = [GenSequence(p, sampling_params(req, len(p), context, settings.default_max_tokens), changed=changed)
@@ -352,7 +355,9 @@ async def completions(request: Request) -> Response:
             "usage": usage_of(seqs),
         }
         tracker.finish("success")
-    return Response(json.dumps(body), media_type="application/json")
+    with phase("encode"):
+        content = json.dumps(body)
+    return Response(content, media_type="application/json")
 
 
 class _SSEResponse(StreamingResponse):
