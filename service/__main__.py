@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from service.config import Settings, load_settings
+from service.config import load_settings
 from service.logs import configure_logging
 from service.registry import RegistryError
 from service.slowclient import header_timeout_protocol
@@ -35,18 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 # Logging is configured above (text or JSON, with request ids); the access log line comes from
                 # service.access, which knows the model, endpoint and durations uvicorn's does not.
-                log_config=None, access_log=False, **tls_options(settings),
+                log_config=None, access_log=False,
+                ssl_certfile=settings.ssl_certfile or None, ssl_keyfile=settings.ssl_keyfile or None,
+                ssl_keyfile_password=settings.ssl_keyfile_password or None,
                 # uvicorn annotates int, but takes any number of seconds (it is an asyncio timeout)
                 timeout_graceful_shutdown=settings.graceful_timeout_s,  # type: ignore[arg-type]
                 http=header_timeout_protocol(settings.header_timeout_s))
     return 0
-
-
-def tls_options(settings: Settings) -> dict[str, str | None]:
-    if not settings.ssl_certfile:
-        return {}
-    return {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile,
-            "ssl_keyfile_password": settings.ssl_keyfile_password or None}
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ class RequestFields(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         ctx = current()
-        if not hasattr(record, "request_id"):  # an explicit extra= wins
-            record.request_id = ctx.request_id if ctx else None
-        if not hasattr(record, "model"):
-            record.model = ctx.model if ctx else None
-        if not hasattr(record, "endpoint"):
-            record.endpoint = ctx.endpoint if ctx else None
-        record.request_tag = f" [{record.request_id}]" if record.request_id else ""
+        fields = record.__dict__  # an explicit extra= wins over the context
+        fields.setdefault("request_id", ctx.request_id if ctx else None)
+        fields.setdefault("model", ctx.model if ctx else None)
+        fields.setdefault("endpoint", ctx.endpoint if ctx else None)
+        fields["request_tag"] = f" [{fields['request_id']}]" if fields["request_id"] else ""
         return True
 
 

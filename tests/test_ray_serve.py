@@ -125,6 +125,23 @@ def test_health_check_fails_when_a_models_loop_died() -> None:
     assert runtimes.dead_loops() == []  # stopped on purpose: not a failure
 
 
+def test_replica_app_keeps_api_keys_and_uses_the_proxys_request_id() -> None:
+    """The app a replica builds has the service's API keys; it takes the id Ray's proxy passes on (the client's
+    or the proxy's own) for its error bodies, and leaves the X-Request-Id header to the proxy (no duplicate)."""
+    from service.ray.replica import ServiceReplica
+
+    replica = ServiceReplica.__new__(ServiceReplica)  # its __init__ asks Ray for the replica's id
+    replica.settings = Settings(models=("digits_multimax",), api_key=("k1",))
+    replica.replica, replica.hub, replica.metrics_push_s = "r1", None, 3600.0  # (no hub: its push fails, logged)
+    app = replica.__serve_build_asgi_app__()
+    with TestClient(app) as client:
+        r = client.get("/v1/models", headers={"x-request-id": "from-proxy"})
+        assert r.status_code == 401 and r.json()["error"]["request_id"] == "from-proxy"
+        assert "x-request-id" not in r.headers
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert client.get("/v2/health/ready").status_code == 200
+
+
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -235,8 +252,11 @@ def test_official_clients_through_the_proxy(ray_server: RayServer) -> None:
         assert np.allclose(result.as_numpy("logits"), want, atol=1e-5)
     triton.close()
 
-    r = httpx.post(f"{url}/v1/models/digits_multimax/classify", json={"images": []}, timeout=10)
+    r = httpx.post(f"{url}/v1/models/digits_multimax/classify", json={"images": []}, timeout=10,
+                   headers={"X-Request-Id": "ray-id-1"})
     assert r.status_code == 400 and r.json()["error"]["param"]  # the service's own errors, unchanged
+    # the client's id, once (from the proxy), and the same in the body
+    assert r.headers.get_list("x-request-id") == ["ray-id-1"] and r.json()["error"]["request_id"] == "ray-id-1"
     assert "total;dur=" in r.headers["server-timing"]
 
 

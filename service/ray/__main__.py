@@ -14,6 +14,8 @@ import signal
 import sys
 import threading
 
+from service.config import Settings
+from service.logs import configure_logging
 from service.ray.options import PROG, parse
 from service.registry import RegistryError, scan
 
@@ -22,7 +24,7 @@ log = logging.getLogger("service.ray.__main__")  # its module (__name__ is "__ma
 
 def main(argv: list[str] | None = None) -> int:
     settings, scale = parse(argv)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
     if scale.address is None:  # local cluster: the model directory is this machine's; check it before Ray starts
         try:
             found = scan(settings.model_dir)
@@ -55,16 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.start(http_options={"host": settings.host, "port": settings.port, **tls_options(settings)})
         try:
             serve.run(build_app(settings, scale), name=scale.app_name, route_prefix="/", blocking=False)
         except Exception as exc:  # e.g. every replica failed to load its models
             print(f"{PROG}: error: deployment failed: {exc}", file=sys.stderr)
             return 1
-        log.info("serving on http://%s:%d (%s)", settings.host, settings.port,
+        scheme = "https" if settings.ssl_certfile else "http"
+        log.info("serving on %s://%s:%d (%s)", scheme, settings.host, settings.port,
                  f"{scale.min_replicas or 1}..{scale.max_replicas} replicas, autoscaling" if scale.autoscaling
                  else f"{scale.replicas or 1} replica(s)")
-        print(f"ready: http://{settings.host}:{settings.port}", flush=True)
+        print(f"ready: {scheme}://{settings.host}:{settings.port}", flush=True)
         stop.wait()
         log.info("stopping: draining in-flight requests (up to %g s)", settings.graceful_timeout_s)
         serve.delete(scale.app_name)  # blocks until the replicas drained and stopped
@@ -74,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         if scale.address is None:
             serve.shutdown()
         ray.shutdown()
+
+
+def tls_options(settings: Settings) -> dict[str, str]:
+    """Ray Serve's proxy terminates TLS itself (HTTPOptions ssl_*), with the service's certificate options."""
+    if not settings.ssl_certfile:
+        return {}
+    options = {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
+    if settings.ssl_keyfile_password:
+        options["ssl_keyfile_password"] = settings.ssl_keyfile_password
+    return options
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def build_app(settings: Settings, scale: ScaleOptions) -> Application:
     service = cast(Deployment, serve.deployment(ServiceIngress, name=SERVICE_DEPLOYMENT,
                                                 **scale.deployment_options(settings),
                                                 logging_config={"enable_access_log": settings.access_log,
-                                                                "log_level": settings.log_level.upper()}))
+                                                                "log_level": settings.log_level.upper(),
+                                                                "encoding": settings.log_format.upper()}))
     return service.bind(settings, hub.bind(expire_s=max(15.0, 10 * scale.metrics_push_s)), scale.metrics_push_s)
 
 

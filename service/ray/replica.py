@@ -43,7 +43,10 @@ class ServiceReplica:
         self.runtimes: Runtimes | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_app(self.settings)  # loads this replica's models
+        # loads this replica's models; Ray's proxy puts X-Request-Id on every response (the client's or its own,
+        # which it passes on to the replica): the app uses that id in its logs and error bodies, without a second
+        # header. API keys, CORS and tracing are the app's own middleware, the same as in `python -m service`.
+        app = create_app(self.settings, request_id_header=False)
         self.runtimes = app.state.runtimes
         _replace_route(app, "/metrics", self._deployment_metrics)
         own_lifespan = app.router.lifespan_context
