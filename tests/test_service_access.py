@@ -215,6 +215,19 @@ def test_requests_without_a_valid_key_get_401_in_their_protocols_shape(keyed_cli
     assert 'error="invalid_token"' in r.headers["www-authenticate"]
 
 
+def test_the_openai_client_sends_its_key_and_sees_the_401(keyed_client: TestClient) -> None:
+    import openai
+
+    good = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=keyed_client, max_retries=0)
+    done = good.completions.create(model=TEXT, prompt="ab", max_tokens=2)
+    assert done.usage is not None and done.usage.completion_tokens == 2 and done._request_id
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-wrong", http_client=keyed_client, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        bad.models.list()
+    assert exc.value.code == "invalid_api_key" and exc.value.request_id
+    assert isinstance(exc.value.body, dict) and exc.value.body["request_id"] == exc.value.request_id
+
+
 def test_every_route_needs_the_key_except_the_open_ones(keyed_client: TestClient) -> None:
     protected = [("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("POST", "/v1/completions"),
                  ("POST", f"/v1/models/{MODEL}/classify"), ("GET", "/v2"), ("GET", f"/v2/models/{MODEL}"),
