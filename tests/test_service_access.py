@@ -140,6 +140,32 @@ def test_middleware_answers_carry_the_id() -> None:
         assert r.json()["error"]["request_id"] == "boom-1"
 
 
+def test_concurrent_requests_each_get_their_own_id_even_when_refused() -> None:
+    """429 (queue full) and 504 (deadline) answered while other requests run: each response, and each log
+    line, carries its own request's id (the context never leaks between concurrent requests)."""
+    from tests.test_service import slow_vision, started
+
+    app = create_app(Settings(models=(MODEL,), max_batch_size=1, max_queue_size=2))
+    calls: list[int] = []
+    slow_vision(app, MODEL, 0.15, calls)
+    image = png()
+
+    async def main() -> list[httpx.Response]:
+        async with started(app) as client:
+            return await asyncio.gather(*(
+                client.post(f"/v1/models/{MODEL}/classify", content=image,
+                            params={"timeout": 0.2} if i % 2 else {},
+                            headers={"content-type": "image/png", "X-Request-Id": f"conc-{i}"}) for i in range(8)))
+
+    responses = asyncio.run(main())
+    codes = {r.status_code for r in responses}
+    assert 200 in codes and 429 in codes, codes
+    for i, r in enumerate(responses):
+        assert r.headers["x-request-id"] == f"conc-{i}"
+        if r.status_code != 200:
+            assert r.json()["error"]["request_id"] == f"conc-{i}"
+
+
 def test_streams_carry_the_id(open_client: TestClient) -> None:
     with open_client.stream("POST", "/v1/completions", json={"model": TEXT, "prompt": "ab", "max_tokens": 3,
                                                               "stream": True},
