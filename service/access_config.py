@@ -5,12 +5,30 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from service.config import Settings
+from typing import Protocol
 
 MAX_KEY_FILE_BYTES = 1024 * 1024
+
+
+class AccessOptions(Protocol):
+    """The options checked here (service.config.Settings has them; no import of it: it imports this module)."""
+
+    @property
+    def api_key(self) -> tuple[str, ...]: ...
+    @property
+    def api_key_file(self) -> str: ...
+    @property
+    def cors_allow_origins(self) -> tuple[str, ...]: ...
+    @property
+    def cors_allow_credentials(self) -> bool: ...
+    @property
+    def ssl_certfile(self) -> str: ...
+    @property
+    def ssl_keyfile(self) -> str: ...
+    @property
+    def ssl_keyfile_password(self) -> str: ...
+    @property
+    def otlp_endpoint(self) -> str: ...
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -34,7 +52,7 @@ def _check_keys(keys: tuple[str, ...], where: str) -> None:
             raise ValueError(f"{where}: key {i + 1} holds spaces, commas or control characters")
 
 
-def api_keys(settings: Settings) -> tuple[str, ...]:
+def api_keys(settings: AccessOptions) -> tuple[str, ...]:
     keys = tuple(settings.api_key)
     _check_keys(keys, "api_key")
     if settings.api_key_file:
@@ -47,7 +65,7 @@ def api_keys(settings: Settings) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
-def check_tls(settings: Settings) -> None:
+def check_tls(settings: AccessOptions) -> None:
     cert, key = settings.ssl_certfile, settings.ssl_keyfile
     if not cert and not key:
         if settings.ssl_keyfile_password:
@@ -66,17 +84,13 @@ def check_tls(settings: Settings) -> None:
         raise ValueError(f"cannot use certificate {cert} with key {key}: {exc}") from None
 
 
-def check_cors(settings: Settings) -> None:
+def check_cors(settings: AccessOptions) -> None:
     if settings.cors_allow_credentials and "*" in settings.cors_allow_origins:
         raise ValueError("cors_allow_credentials cannot be used with cors_allow_origins *: name the origins")
 
 
-def check_access(settings: Settings) -> tuple[str, ...]:
+def check_access(settings: AccessOptions) -> tuple[str, ...]:
     """Every check; returns the API keys (from api_key and api_key_file)."""
-    from service.config import LOG_FORMATS
-
-    if settings.log_format not in LOG_FORMATS:
-        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {settings.log_format!r}")
     check_tls(settings)
     check_cors(settings)
     if settings.otlp_endpoint:

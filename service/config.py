@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from service.access_config import check_access
+
 ENV_PREFIX = "MULTIMAX_SERVE_"
 SECRET_OPTIONS = ("api_key", "ssl_keyfile_password")  # --help shows no default, errors never show the value
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
@@ -113,12 +115,9 @@ class Settings:
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        self._check_access()
-
-    def _check_access(self) -> None:
-        from service.access_config import check_access  # the TLS, key file and tracing checks, apart
-
-        object.__setattr__(self, "api_keys", check_access(self))
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        object.__setattr__(self, "api_keys", check_access(self))  # TLS, key file and tracing checks
 
     def replace(self, **changes: Any) -> Settings:
         return type(self)(**{f.name: getattr(self, f.name) for f in fields(self) if f.init} | changes)

@@ -74,7 +74,7 @@ def end_request_span(span: Any, method: str, route: str | None, path: str, statu
                      model: str | None, endpoint: str | None, error: BaseException | None = None) -> None:
     from opentelemetry.trace import Status, StatusCode
 
-    span.update_name(f"{method} {route or path}")
+    span.update_name(f"{method} {route}" if route else method)  # (no raw paths in names: unbounded)
     span.set_attribute("url.path", path)
     if route:
         span.set_attribute("http.route", route)

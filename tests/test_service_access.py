@@ -406,7 +406,10 @@ def test_traces_continue_the_clients_trace_and_mark_errors(traced: tuple[TestCli
     assert r.status_code == 404
     spans = [s for s in exporter.get_finished_spans() if s.attributes.get("multimax.request_id") == "trace-404"]
     assert len(spans) == 1 and format(spans[0].context.trace_id, "032x") == trace_id
-    assert spans[0].attributes["http.response.status_code"] == 404
+    assert spans[0].attributes["http.response.status_code"] == 404 and spans[0].name == "GET /v1/models/{name}"
+    client.get("/no/such/route", headers={"X-Request-Id": "trace-noroute"})
+    unrouted = [s for s in exporter.get_finished_spans() if s.attributes.get("multimax.request_id") == "trace-noroute"]
+    assert [s.name for s in unrouted] == ["GET"]  # no route: the method alone (raw paths would be unbounded)
 
 
 def test_a_request_the_sampler_leaves_out_makes_no_spans() -> None:
