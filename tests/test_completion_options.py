@@ -268,3 +268,20 @@ def test_a_huge_n_is_refused_while_other_streams_go_on(server: str) -> None:
     assert got[-1] == "data: [DONE]"
     usage = json.loads(got[-2].removeprefix("data: "))["usage"]
     assert usage["completion_tokens"] == 60 and math.isfinite(usage["total_tokens"])
+
+
+def test_the_load_tester_fixes_output_lengths_with_ignore_eos(server: str) -> None:
+    from benchmarks.loadtest import LoadConfig, run
+    from benchmarks.loadtest.cli import build_parser, config_from_args
+    from benchmarks.loadtest.config import IntRange
+    from benchmarks.loadtest.workloads import build_workload
+
+    cfg, _, _ = config_from_args(build_parser().parse_args(
+        ["--url", server, "--workload", "generate", "--concurrency", "2", "--requests", "4", "--max-tokens", "12:12",
+         "--ignore-eos"]))
+    body = build_workload(cfg).request(0).body
+    assert cfg.ignore_eos and body is not None and json.loads(body)["ignore_eos"] is True
+    result = run(LoadConfig(url=server, workload="generate", model=MODEL, concurrency=2, requests=4,
+                            max_tokens=IntRange(12, 12), ignore_eos=True, scrape_metrics=False))
+    assert result.ok == 4 and result.generation is not None and result.generation["output_tokens"] == 48
+
