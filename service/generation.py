@@ -2,7 +2,9 @@
 
 Each step runs in the model's worker thread and is either
   * a prefill: the sequences admitted since the last step run their (left-padded) prompts in one call
-    with an empty cache; their caches are merged into the running batch (`service.kvcache.merge`); or
+    with an empty cache; their caches are merged into the running batch (`service.kvcache.merge`). The
+    choices of one prompt (n, best_of: a `group`) are admitted together and prefilled as one row, whose cache
+    rows are copied to each; or
   * a decode: every running sequence feeds its last sampled token; one token per sequence.
 Finished and cancelled sequences leave the batch at the start of the next step, and columns that are
 padding for every row are trimmed, so one long generation never holds up the others and a closed
@@ -529,6 +531,8 @@ class TextScheduler:
         token has none (nothing predicts it), as OpenAI's echo shows."""
         rows = _as_torch(logits)
         offset = rows.shape[0] - len(seq.prompt)
+        if not bool(torch.isfinite(rows[offset:]).all()):  # no NaN into the JSON; the prefill is retried alone
+            raise NonFiniteLogits("the model produced non-finite logits for this prompt")
         out = TokenLogprobs([None], [None])
         for j in range(1, len(seq.prompt)):
             chosen, top = token_logprobs(rows[offset + j - 1], seq.prompt[j], seq.params.logprobs or 0)
