@@ -285,3 +285,25 @@ def test_the_load_tester_fixes_output_lengths_with_ignore_eos(server: str) -> No
                             max_tokens=IntRange(12, 12), ignore_eos=True, scrape_metrics=False))
     assert result.ok == 4 and result.generation is not None and result.generation["output_tokens"] == 48
 
+
+
+def test_a_group_waits_for_room_as_a_whole_and_the_running_stream_goes_on() -> None:
+    """With 4 slots and one taken, n=4 waits until all four fit (one prefill), while the stream finishes."""
+    with TestClient(create_app(Settings(max_running_sequences=4)), raise_server_exceptions=False) as c:
+        sched = c.app.state.runtimes.models[MODEL].scheduler
+        before = sched.steps["prefill_prompts"]
+        lines: list[str] = []
+
+        def stream() -> None:
+            with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 60,
+                                                           "stream": True, "ignore_eos": True}) as r:
+                lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "n": 4,
+                                            "ignore_eos": True})
+        t.join(60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
+        assert sched.steps["prefill_prompts"] - before == 2  # the stream's prompt, and the group's once
