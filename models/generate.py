@@ -173,15 +173,18 @@ class NonFiniteLogits(ValueError):
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None,
-                 generator: torch.Generator) -> int:
-    """Token id from `logits` (V,); greedy for temperature 0 or top_p 0, and wherever sampling degenerates."""
+                 generator: torch.Generator, banned: Sequence[int] = ()) -> int:
+    """Token id from `logits` (V,); greedy for temperature 0 or top_p 0, and wherever sampling degenerates.
+    `banned` ids are never drawn (eos under `ignore_eos` / before `min_tokens`)."""
     if not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogits("the model produced non-finite logits for this sequence")
+    if banned:
+        logits = logits.double().index_fill(0, torch.tensor(list(banned)), float("-inf"))
     greedy = int(logits.argmax())
     if temperature <= 0 or top_p <= 0:
         return greedy
     scaled = logits.double() / temperature
-    if not bool(torch.isfinite(scaled).all()):
+    if not bool(torch.isfinite(scaled[logits > float("-inf")]).all()):
         return greedy  # temperature -> 0: the distribution tends to the argmax
     scaled = scaled[None]
     if top_k is not None:

@@ -72,6 +72,7 @@ class Settings:
     max_waiting_sequences: int = 256
     default_max_tokens: int = 16
     max_prompts_per_request: int = 16
+    max_choices_per_request: int = 16  # sequences one completion request generates: prompts x best_of (or n)
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -105,7 +106,7 @@ class Settings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
-                    "max_prompts_per_request")
+                    "max_prompts_per_request", "max_choices_per_request")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -166,6 +167,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_waiting_sequences", int, "generation: sequences waiting for a slot before new ones get 429", "N"),
     _Option("default_max_tokens", int, "generation: max_tokens when a request gives none (OpenAI: 16)", "N"),
     _Option("max_prompts_per_request", int, "generation: prompts in one /v1/completions request", "N"),
+    _Option("max_choices_per_request", int, "generation: sequences one /v1/completions request generates "
+            "(prompts x best_of, or x n)", "N"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),

@@ -2,7 +2,9 @@
 
 Each step runs in the model's worker thread and is either
   * a prefill: the sequences admitted since the last step run their (left-padded) prompts in one call
-    with an empty cache; their caches are merged into the running batch (`service.kvcache.merge`); or
+    with an empty cache; their caches are merged into the running batch (`service.kvcache.merge`). The
+    choices of one prompt (n, best_of: a `group`) are admitted together and prefilled as one row, whose cache
+    rows are copied to each; or
   * a decode: every running sequence feeds its last sampled token; one token per sequence.
 Finished and cancelled sequences leave the batch at the start of the next step, and columns that are
 padding for every row are trimmed, so one long generation never holds up the others and a closed
@@ -48,6 +50,46 @@ class SamplingParams:
     top_k: int | None = None
     stop: tuple[bytes, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # alternatives per token (0..5); None: no logprobs
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's tokens too (needs the prefill's logits)
+    rank: bool = False  # best_of: the cumulative logprob of the sampled tokens is wanted
+    ignore_eos: bool = False  # eos is never drawn: the length is max_tokens (or a stop string)
+    min_tokens: int = 0  # eos is never drawn, and stop strings not checked, before this many tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.rank
+
+
+TopLogprobs = dict[int, float]  # token id -> logprob
+
+
+@dataclass
+class TokenLogprobs:
+    """Raw model logprobs (log_softmax of the logits, before temperature/top-k/top-p and the eos ban) of
+    chosen tokens, with the `top` most likely alternatives of each position."""
+
+    chosen: list[float | None] = field(default_factory=list)
+    top: list[TopLogprobs | None] = field(default_factory=list)
+
+    def copy(self) -> TokenLogprobs:
+        return TokenLogprobs(list(self.chosen), list(self.top))
+
+    def truncate(self, n: int) -> None:
+        del self.chosen[n:], self.top[n:]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, TopLogprobs]:
+    """The raw logprob of `token` under `logits` (V,), and the `top` best alternatives (the chosen token added
+    when it is not among them, as vLLM does)."""
+    lp = torch.log_softmax(logits.double(), -1)
+    alternatives: TopLogprobs = {}
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+        alternatives = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    chosen = float(lp[token])
+    alternatives.setdefault(token, chosen)
+    return chosen, alternatives
 
 
 @dataclass(eq=False)
@@ -67,6 +109,11 @@ class GenSequence:
     last_token: float | None = None
     finished: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # shared by the sequences of one request
+    # Choices of one prompt (n, best_of) share a group: admitted together, prefilled once, the cache copied.
+    group: object | None = None
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # one entry per token in `tokens`
+    cumulative_logprob: float = 0.0  # of every sampled token (eos included): best_of's ranking
+    prompt_logprobs: TokenLogprobs | None = None  # echo + logprobs: the prompt's (first token None)
 
     @property
     def done(self) -> bool:
@@ -84,6 +131,9 @@ class _Row:
     finish_reason: str | None = None
     error: str | None = None  # this sequence failed (its batch-mates go on)
     last: int = 0  # the sampled token not yet fed to the model
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: TokenLogprobs | None = None  # sent with the first update only
 
     @property
     def live(self) -> bool:
@@ -97,6 +147,9 @@ class _Update:
     generated: int
     finish_reason: str | None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class TextStream:
@@ -165,7 +218,7 @@ class TextScheduler:
         self._rows: list[_Row] = []
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
-        self.steps = {"prefill": 0, "decode": 0}
+        self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0}  # prefill_prompts: model rows prefilled
         self.health = Health()
         self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
         self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
@@ -203,7 +256,7 @@ class TextScheduler:
         """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
         self.check_room(len(seqs))
         for seq in seqs:
-            if seq.params.max_tokens == 0:  # nothing to generate: answer without touching the model
+            if seq.params.max_tokens == 0 and not seq.params.prompt_logprobs:  # answer without the model
                 seq.finish_reason, seq.finished = "length", time.perf_counter()
                 seq.changed.set()
                 continue
@@ -275,9 +328,7 @@ class TextScheduler:
                 await self._wake.wait()
                 continue
             self._interrupt = False  # before admitting: a sequence submitted from now on interrupts the worker
-            admitted: list[GenSequence] = []
-            while self._waiting and len(self._active) + len(admitted) < self.max_running:
-                admitted.append(self._waiting.popleft())
+            admitted = self._admit()
             now = time.perf_counter()
             for seq in admitted:
                 seq.started = now
@@ -291,6 +342,22 @@ class TextScheduler:
                 self._fail(admitted or list(self._active), exc)
                 continue
             self._apply(updates)
+
+    def _admit(self) -> list[GenSequence]:
+        """Waiting sequences for the free slots; the choices of one prompt (a group) come in together, so their
+        prompt is prefilled once (a group larger than the whole batch still runs, alone)."""
+        admitted: list[GenSequence] = []
+        while self._waiting:
+            head = self._waiting[0]
+            size = 1
+            if head.group is not None:
+                while size < len(self._waiting) and self._waiting[size].group is head.group:
+                    size += 1
+            busy = len(self._active) + len(admitted)
+            if busy + size > self.max_running and (busy or size == 1):
+                break
+            admitted.extend(self._waiting.popleft() for _ in range(size))
+        return admitted
 
     def _fail(self, seqs: list[GenSequence], exc: Exception) -> None:
         """A failed prefill fails the sequences it admitted; a failed decode fails the batch it ran."""
@@ -323,16 +390,21 @@ class TextScheduler:
                 seq.changed.set()
                 continue
             new = u.generated - seq.generated
-            if new <= 0:
+            if new <= 0 and u.finish_reason is None and u.prompt_logprobs is None:
                 continue
-            m.generation_tokens.labels(self.model).inc(new)
+            if u.prompt_logprobs is not None:
+                seq.prompt_logprobs = u.prompt_logprobs
+            if u.logprobs is not None:
+                seq.logprobs, seq.cumulative_logprob = u.logprobs, u.cumulative_logprob
             self.health.succeeded()
-            if seq.first_token is None:
-                seq.first_token = now
-                m.ttft.labels(self.model).observe(now - seq.arrival)
-            else:
-                m.itl.labels(self.model).observe(now - (seq.last_token or now))
-            seq.last_token = now
+            if new > 0:
+                m.generation_tokens.labels(self.model).inc(new)
+                if seq.first_token is None:
+                    seq.first_token = now
+                    m.ttft.labels(self.model).observe(now - seq.arrival)
+                else:
+                    m.itl.labels(self.model).observe(now - (seq.last_token or now))
+                seq.last_token = now
             seq.tokens, seq.generated = u.tokens, u.generated
             if u.finish_reason is not None:
                 seq.finished = now
@@ -416,26 +488,57 @@ class TextScheduler:
     @torch.inference_mode()
     def _prefill(self, seqs: list[GenSequence]) -> list[_Update]:
         start = time.perf_counter()
-        longest = max(len(s.prompt) for s in seqs)
-        ids = np.zeros((len(seqs), longest), np.int64)  # the pad id is masked out: any id would do
-        mask = np.zeros((len(seqs), longest), np.int64)
-        for i, s in enumerate(seqs):
+        # One model row per distinct prompt: the choices of a group share it, their caches are copies of its.
+        first: dict[int, int] = {}
+        unique: list[GenSequence] = []
+        index: list[int] = []
+        for s in seqs:
+            key = id(s.group) if s.group is not None else id(s)
+            if key not in first:
+                first[key] = len(unique)
+                unique.append(s)
+            index.append(first[key])
+        longest = max(len(s.prompt) for s in unique)
+        ids = np.zeros((len(unique), longest), np.int64)  # the pad id is masked out: any id would do
+        mask = np.zeros((len(unique), longest), np.int64)
+        for i, s in enumerate(unique):
             ids[i, longest - len(s.prompt):] = s.prompt
             mask[i, longest - len(s.prompt):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        logits, presents = self.backend.run_text(ids, mask, positions, self.backend.empty_past(len(seqs)))
-        rows = [_Row(s, _rng(s.params.seed)) for s in seqs]
-        updates = self._sample(rows, _as_torch(logits[:, -1]))
+        logits, presents = self.backend.run_text(ids, mask, positions, self.backend.empty_past(len(unique)))
+        prompt_lps = [self._prompt_logprobs(s, logits[i]) if s.params.prompt_logprobs else None
+                      for i, s in enumerate(unique)]
+        last = _as_torch(logits[:, -1])
+        if len(unique) < len(seqs):  # copy the prefilled cache (and last logits) for every choice
+            presents = kvcache.map_past(presents, lambda t: kvcache.take_rows(t, index))
+            mask, last = mask[index], last[index]
+        rows = [_Row(s, _rng(s.params.seed), prompt_logprobs=prompt_lps[j]) for s, j in zip(seqs, index, strict=True)]
+        updates = self._sample(rows, last)
         if self._rows:
             self._past, self._mask = kvcache.merge(self._past, self._mask, presents, mask)
         else:
             self._past, self._mask = presents, mask
         self._rows.extend(rows)
         self.steps["prefill"] += 1
+        self.steps["prefill_prompts"] += len(unique)
         self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
-        self.metrics.batch_size.labels(self.model, "prefill").observe(len(seqs))
-        self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in seqs))
+        self.metrics.batch_size.labels(self.model, "prefill").observe(len(unique))
+        self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in unique))
         return updates
+
+    def _prompt_logprobs(self, seq: GenSequence, logits: Any) -> TokenLogprobs:
+        """Logprobs of the prompt's tokens from the prefill's logits (T, V) of its (left-padded) row: the first
+        token has none (nothing predicts it), as OpenAI's echo shows."""
+        rows = _as_torch(logits)
+        offset = rows.shape[0] - len(seq.prompt)
+        if not bool(torch.isfinite(rows[offset:]).all()):  # no NaN into the JSON; the prefill is retried alone
+            raise NonFiniteLogits("the model produced non-finite logits for this prompt")
+        out = TokenLogprobs([None], [None])
+        for j in range(1, len(seq.prompt)):
+            chosen, top = token_logprobs(rows[offset + j - 1], seq.prompt[j], seq.params.logprobs or 0)
+            out.chosen.append(chosen)
+            out.top.append(top)
+        return out
 
     @torch.inference_mode()
     def _decode(self) -> list[_Update]:
@@ -458,25 +561,41 @@ class TextScheduler:
             if not row.live:
                 continue
             p = row.seq.params
+            prompt_lps, row.prompt_logprobs = row.prompt_logprobs, None
+            if p.max_tokens == 0:  # echo + logprobs of the prompt alone: the prefill was the work
+                row.finish_reason = "length"
+                updates.append(_Update(row, [], 0, "length", prompt_logprobs=prompt_lps))
+                continue
+            banned = (tok.eos_id,) if p.ignore_eos or row.generated < p.min_tokens else ()
             try:
-                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator)
+                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned)
             except Exception as exc:  # this row's numbers went bad: it ends, its batch-mates go on
                 updates.append(self._failed(row, exc))
                 continue
             row.last = token
             row.generated += 1
+            if p.wants_logprobs:
+                chosen, top = token_logprobs(logits[i], token, p.logprobs or 0)
+                row.cumulative_logprob += chosen
             if token == tok.eos_id:
                 row.finish_reason = "stop"
             else:
                 row.tokens.append(token)
-                keep = stop_match(row.tokens, p.stop, tok)
+                if p.wants_logprobs:
+                    row.logprobs.chosen.append(chosen)
+                    row.logprobs.top.append(top)
+                # Stop strings count from min_tokens on (vLLM: no stop check before min_tokens).
+                keep = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
                 if keep is not None:
                     del row.tokens[keep:]
+                    row.logprobs.truncate(keep)
                     row.finish_reason = "stop"
             if row.finish_reason is None and (row.generated >= p.max_tokens
                                               or len(row.seq.prompt) + row.generated >= self.context_length):
                 row.finish_reason = "length"
-            updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason))
+            updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason,
+                                   logprobs=row.logprobs.copy() if p.wants_logprobs else None,
+                                   cumulative_logprob=row.cumulative_logprob, prompt_logprobs=prompt_lps))
         return updates
 
     def _failed(self, row: _Row, exc: Exception) -> _Update:

@@ -1,9 +1,10 @@
 """OpenAI-compatible endpoints: `GET /v1/models` and `POST /v1/completions` (with SSE streaming).
 
 Field names, defaults, the error shape and the stream format (`data: {chunk}` events ending in
-`data: [DONE]`) are OpenAI's, so the official client works unchanged. Options OpenAI has but this
-server cannot honour (n > 1, best_of, echo, logprobs, suffix, penalties, logit_bias) are refused with
-400 rather than silently ignored.
+`data: [DONE]`) are OpenAI's, so the official client works unchanged. logprobs, echo, n and best_of work as
+OpenAI's legacy completions API has them (`service.choices`), with vLLM's extensions ignore_eos, min_tokens and
+stream_options.continuous_usage_stats (docs/SERVICE.md has the table). Options this server cannot honour
+(suffix, penalties, logit_bias) are refused with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
+from service import choices
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
@@ -56,6 +58,7 @@ class ModelList(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="extension (vLLM): usage so far in every chunk")
 
 
 Stop = Annotated[str, Field(max_length=256)]
@@ -71,14 +74,16 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1, description="extension (vLLM): keep the k most likely tokens")
-    n: int | None = Field(1, ge=1, le=1)
-    best_of: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(1, ge=1, description="completions per prompt (bounded by max_choices_per_request)")
+    best_of: int | None = Field(None, ge=1, description="generate this many (>= n), return the n most likely")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | list[Stop] | None = Field(None, description="up to 4 sequences; generation ends before them")
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    echo: bool | None = Field(False, description="not supported: must be false")
-    logprobs: int | None = Field(None, description="not supported: must be null")
+    echo: bool | None = Field(False, description="the prompt before the completion (its logprobs too)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="raw model logprobs, with this many alternatives")
+    ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
+    min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
     suffix: str | None = Field(None, description="not supported: must be null")
     presence_penalty: float | None = Field(0.0, description="not supported: must be 0")
     frequency_penalty: float | None = Field(0.0, description="not supported: must be 0")
@@ -91,10 +96,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Logprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -135,8 +147,6 @@ async def get_model(name: str, request: Request) -> ModelCard:
 
 def _unsupported(req: CompletionRequest) -> None:
     checks = (
-        ("echo", bool(req.echo)),
-        ("logprobs", req.logprobs is not None),
         ("suffix", req.suffix is not None),
         ("presence_penalty", bool(req.presence_penalty)),
         ("frequency_penalty", bool(req.frequency_penalty)),
@@ -198,6 +208,9 @@ def sampling_params(req: CompletionRequest, prompt_len: int, context: int, defau
                           "completion)", "max_tokens", code="context_length_exceeded")
     else:
         max_tokens = req.max_tokens
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4:
         raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
@@ -210,16 +223,34 @@ def sampling_params(req: CompletionRequest, prompt_len: int, context: int, defau
         top_k=req.top_k,
         stop=tuple(stop_bytes(stops)),
         seed=req.seed,
+        logprobs=req.logprobs,
+        prompt_logprobs=bool(req.echo) and req.logprobs is not None,
+        rank=(req.best_of or 1) > (req.n or 1),
+        ignore_eos=bool(req.ignore_eos),
+        min_tokens=min_tokens,
     )
 
 
+def choice_counts(req: CompletionRequest, prompts: int, settings: Any) -> tuple[int, int]:
+    """(n, best_of), checked: best_of >= n, no streaming of best_of, and prompts * best_of sequences within
+    the request's bound, the batch (a group is admitted whole) and the waiting room, so that one request
+    cannot take the server; a request over them is 400 (it could never fit), not 429."""
+    n = req.n or 1
+    best_of = n if req.best_of is None else req.best_of
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if req.stream and best_of > n:
+        raise bad_request("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+    total = prompts * best_of
+    limit = min(settings.max_choices_per_request, settings.max_waiting_sequences)
+    if total > limit or best_of > settings.max_running_sequences:
+        raise bad_request(f"{prompts} prompt(s) x {best_of} completions = {total} sequences; this server allows "
+                          f"at most {limit} per request and {settings.max_running_sequences} per prompt",
+                          "best_of" if req.best_of is not None else "n", code="too_many_choices")
+    return n, best_of
+
+
 # ---- completions: encode response -------------------------------------------------------------------------
-
-
-def usage_of(seqs: list[GenSequence]) -> dict[str, int]:
-    prompt = sum(len(s.prompt) for s in seqs)
-    completion = sum(s.generated for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _timing(seqs: list[GenSequence], until: str) -> tuple[float, float]:
@@ -320,10 +351,12 @@ async def completions(request: Request) -> Response:
         _unsupported(req)
         with phase("tokenize"):
             prompts = prompts_of(req, rt, settings.max_prompts_per_request)
+        n, best_of = choice_counts(req, len(prompts), settings)
         context = rt.context_length
         changed = asyncio.Event()
-        seqs = [GenSequence(p, sampling_params(req, len(p), context, settings.default_max_tokens), changed=changed)
-                for p in prompts]
+        params = [sampling_params(req, len(p), context, settings.default_max_tokens) for p in prompts]
+        groups = choices.expand(prompts, params, best_of, changed)
+        seqs = [s for g in groups for s in g]
         rt.scheduler.submit(seqs)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name}
         try:
@@ -332,8 +365,7 @@ async def completions(request: Request) -> Response:
                 # and Server-Timing can tell the queue time.
                 await call.wait(_first_update(seqs, changed))
                 call.timing(*_timing(seqs, "first_token"))
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                stream = _stream(rt, seqs, changed, meta, include_usage, tracker)
+                stream = _stream(rt, groups, changed, meta, req, tracker)
 
                 def cleanup() -> None:
                     for s in seqs:
@@ -350,9 +382,9 @@ async def completions(request: Request) -> Response:
         body = {
             **meta,
             "object": "text_completion",
-            "choices": [{"index": i, "text": rt.tokenizer.decode(s.tokens), "logprobs": None,
-                         "finish_reason": s.finish_reason} for i, s in enumerate(seqs)],
-            "usage": usage_of(seqs),
+            "choices": [choices.choice(rt.tokenizer, s, i * n + j, bool(req.echo), req.logprobs is not None)
+                        for i, g in enumerate(groups) for j, s in enumerate(choices.ranked(g, n))],
+            "usage": choices.usage(groups),
         }
         tracker.finish("success")
     with phase("encode"):
@@ -396,10 +428,30 @@ async def _all_done(seqs: list[GenSequence], changed: asyncio.Event) -> None:
     _raise_errors(seqs)
 
 
-async def _stream(rt: TextRuntime, seqs: list[GenSequence], changed: asyncio.Event, meta: dict[str, Any],
-                  include_usage: bool, tracker: Tracker) -> AsyncIterator[bytes]:
-    streams = [TextStream(rt.tokenizer, s.params.stop) for s in seqs]
+def _covered(tokenizer: Any, tokens: list[int], nbytes: int) -> int:
+    """How many of `tokens` lie within their first `nbytes` decoded bytes (a stream's logprobs go with its
+    text)."""
+    k, size = 0, 0
+    while k < len(tokens):
+        size += len(tokenizer.decode_bytes([tokens[k]]))
+        if size > nbytes:
+            break
+        k += 1
+    return k
+
+
+async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asyncio.Event, meta: dict[str, Any],
+                  req: CompletionRequest, tracker: Tracker) -> AsyncIterator[bytes]:
+    """Chunks of every choice as their text grows, interleaved, each with its choice index (no best_of here:
+    every sequence is a choice)."""
+    tok = rt.tokenizer
+    seqs = [s for g in groups for s in g]
+    opts = req.stream_options or StreamOptions()
+    echo, want_lps = bool(req.echo), req.logprobs is not None
+    streams = [TextStream(tok, s.params.stop) for s in seqs]
     sent_finish = [False] * len(seqs)
+    sent_tokens = [0] * len(seqs)  # of choices.echoed(s)'s tokens: their logprobs went out
+    started = [False] * len(seqs)
     base = {**meta, "object": "text_completion"}
     outcome = "cancelled"  # unless the loop below runs to its end
     try:
@@ -410,19 +462,29 @@ async def _stream(rt: TextRuntime, seqs: list[GenSequence], changed: asyncio.Eve
                     continue
                 finished = s.finish_reason is not None
                 text = ts.delta(s.tokens, final=finished)
-                if text or finished:
-                    chunk = {**base, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                  "finish_reason": s.finish_reason}]}
+                # The echoed prompt goes out in the first chunk, once the prefill gave its logprobs.
+                first = echo and not started[i] and (s.generated > 0 or s.done)
+                if text or finished or first:
+                    if first:
+                        text, started[i] = tok.decode(s.prompt) + text, True
+                    entry: dict[str, Any] = {"index": i, "text": text, "logprobs": None,
+                                             "finish_reason": s.finish_reason}
+                    if want_lps:
+                        shown, lps = choices.echoed(s, echo)
+                        upto = (len(s.prompt) if echo else 0) + _covered(tok, s.tokens, ts.sent)
+                        entry["logprobs"] = choices.logprobs_object(tok, shown, lps, sent_tokens[i], upto)
+                        sent_tokens[i] = upto
+                    chunk = {**base, "choices": [entry]}
                     sent_finish[i] = finished
-                    if all(sent_finish) and not include_usage:
-                        chunk["usage"] = usage_of(seqs)  # usage counts even for clients that did not ask
+                    if opts.continuous_usage_stats or (all(sent_finish) and not opts.include_usage):
+                        chunk["usage"] = choices.usage(groups)  # usage counts even for clients that did not ask
                     yield _sse(chunk)
             if all(sent_finish):
                 break
             await changed.wait()
             changed.clear()
-        if include_usage:
-            yield _sse({**base, "choices": [], "usage": usage_of(seqs)})
+        if opts.include_usage:
+            yield _sse({**base, "choices": [], "usage": choices.usage(groups)})
         yield b"data: [DONE]\n\n"
         outcome = "success"
     except ServiceError as exc:

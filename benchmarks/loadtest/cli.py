@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", type=Path, metavar="FILE", help="prompts, one per line (overrides --prompt-len)")
     gen.add_argument("--no-stream", action="store_true", help="ask for whole completions instead of SSE")
     gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="send ignore_eos: every completion runs to its max_tokens (fixed output lengths)")
     slo = p.add_argument_group("SLO and analysis")
     slo.add_argument("--slo-p99-ms", type=_positive_float, metavar="MS",
                      help="latency SLO: goodput counts requests done within MS; met if >= 99%% of them are")
@@ -136,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, str | None, 
         poisson=args.poisson, duration_s=args.duration, requests=args.requests, warmup_s=args.warmup,
         timeout_s=args.timeout, max_in_flight=args.max_in_flight, seed=args.seed, images=args.images,
         batch=args.batch, top_k=args.top_k, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
         stream=not args.no_stream, temperature=args.temperature, prompts_file=args.prompts,
         slo_ms=args.slo_p99_ms, slo_ttft_ms=args.slo_ttft_ms, scrape_metrics=not args.no_metrics,
         progress=not args.quiet, keep_samples=args.save_requests, event_loop=args.event_loop,

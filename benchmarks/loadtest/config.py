@@ -67,6 +67,7 @@ class LoadConfig:
     max_tokens: IntRange = field(default_factory=lambda: IntRange(16, 64))
     stream: bool = True
     temperature: float = 1.0
+    ignore_eos: bool = False  # send ignore_eos (vLLM's name): every completion is exactly max_tokens long
     prompts_file: Path | None = None  # one prompt per line, used in turn (then prompt_len is ignored)
     # SLO (goodput): a request is good if it succeeded within slo_ms (and its first token within slo_ttft_ms)
     slo_ms: float | None = None

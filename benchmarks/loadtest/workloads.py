@@ -125,6 +125,8 @@ class GenerateWorkload(Workload):
         max_tokens = cfg.max_tokens.sample(rng)
         body: dict[str, Any] = {"model": cfg.model_name, "prompt": prompt, "max_tokens": max_tokens,
                                 "temperature": cfg.temperature, "top_p": 1.0, "seed": i, "stream": cfg.stream}
+        if cfg.ignore_eos:
+            body["ignore_eos"] = True
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}  # exact token counts even if chunks coalesce
         return RequestSpec("POST", "/v1/completions", json.dumps(body).encode(), JSON, stream=cfg.stream,
