@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from service import classify, kserve, openai_api
+from service import classify, control, kserve, openai_api
 from service.config import Settings
 from service.docs import install_docs
 from service.endpoint import labelled_routes
@@ -33,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtimes.start()
-        log.info("serving %s", ", ".join(f"{n} ({rt.task}, {rt.entry.backend.kind})"
+        log.info("serving %s", ", ".join(f"{n} v{rt.version} ({rt.task}, {rt.entry.backend.kind})"
                                         for n, rt in runtimes.models.items()))
         try:
             yield
@@ -58,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
+    app.include_router(control.router)
     app.state.model_routes = labelled_routes(openai_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")

@@ -16,6 +16,7 @@ from typing import Any
 ENV_PREFIX = "MULTIMAX_SERVE_"
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
+MODEL_CONTROL = ("none", "explicit")  # Triton's --model-control-mode, without "poll"
 
 
 def _default_model_dir() -> Path:
@@ -75,10 +76,15 @@ class Settings:
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    # Models that change while the server runs (warm-up, versions, the repository API).
+    warmup_calls: int = 1  # each representative warm-up call runs this often at load; 0: no warm-up
+    model_control: str = "none"  # "explicit": POST /v2/repository/models/{m}/load and /unload are allowed
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.model_control not in MODEL_CONTROL:
+            raise ValueError(f"model_control must be one of {', '.join(MODEL_CONTROL)}, got {self.model_control!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not 0 < self.port < 65536:
@@ -89,7 +95,8 @@ class Settings:
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens"):
+        for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
+                     "warmup_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
@@ -147,6 +154,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
     _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
     _Option("access_log", _bool, "log every request", "BOOL"),
+    _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
+            "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
+    _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "
+            "models while serving (Triton's --model-control-mode); none: the models of startup, fixed",
+            choices=MODEL_CONTROL),
 )
 
 

@@ -104,6 +104,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # "<model>:<version>": which loaded version answered
 
 
 # ---- models --------------------------------------------------------------------------------------------
@@ -322,7 +323,8 @@ async def completions(request: Request) -> Response:
         seqs = [GenSequence(p, sampling_params(req, len(p), context, settings.default_max_tokens), changed=changed)
                 for p in prompts]
         rt.scheduler.submit(seqs)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name}
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
+                "system_fingerprint": f"{rt.name}:{rt.version}"}  # the model version that answers
         try:
             if req.stream:
                 # Wait for the first token before answering: a failure until then is still a proper HTTP error,
