@@ -14,6 +14,7 @@ and the answer is 400; whatever served before keeps serving. Loads and unloads o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -88,8 +89,15 @@ def _enabled(runtimes: Runtimes) -> None:
                            code="model_control_disabled")
 
 
-def _lock(runtimes: Runtimes, name: str) -> asyncio.Lock:
-    return runtimes.locks.setdefault(name, asyncio.Lock())
+async def _serialized(runtimes: Runtimes, name: str,
+                      action: Callable[[Runtimes, str], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """`action` on `name`, after the model's earlier loads and unloads; it completes even if the client leaves
+    (a half-done swap would leave a loaded version unserved)."""
+    async def locked() -> dict[str, Any]:
+        async with runtimes.locks.setdefault(name, asyncio.Lock()):
+            return await action(runtimes, name)
+
+    return await asyncio.shield(locked())
 
 
 def _unchanged(rt: ModelRuntime, files: Files) -> bool:
@@ -102,6 +110,8 @@ def _unchanged(rt: ModelRuntime, files: Files) -> bool:
 async def load(runtimes: Runtimes, name: str) -> dict[str, Any]:
     """(Re)load `name` from the model directory; raises ServiceError (4xx) when a version fails to load."""
     settings = runtimes.settings
+    if not runtimes.ready:
+        raise ServiceError(503, "server is not started or shutting down", code="shutting_down")
     found = await asyncio.to_thread(scan, settings.model_dir)
     versions = found.get(name)
     if not versions:
@@ -115,17 +125,14 @@ async def load(runtimes: Runtimes, name: str) -> dict[str, Any]:
     finally:
         del runtimes.loading[name]
     new = {v: rt for v, rt in current.items() if v in versions}  # versions gone from the directory are unloaded
-    started = []
+    fresh = {v: runtimes.runtime_of(entry) for v, entry in loaded.items()}
     try:
-        for v, entry in loaded.items():
-            rt = runtimes.runtime_of(entry)
+        for rt in fresh.values():
             runtimes.start_runtime(rt)
-            started.append(rt)
-            new[v] = rt
-    except ServiceError:  # the server began shutting down meanwhile
-        for rt in started:
-            await runtimes.release(rt, wait=False)
+    except ServiceError:  # the server began shutting down while the files loaded
+        await asyncio.gather(*(runtimes.release(rt, wait=False) for rt in fresh.values()))
         raise
+    new.update(fresh)
     retired = [rt for v, rt in current.items() if new.get(v) is not rt]
     runtimes.versions[name] = dict(sorted(new.items()))
     unavailable = runtimes.unavailable.setdefault(name, {})
@@ -167,8 +174,7 @@ async def load_model(name: str, request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     _enabled(runtimes)
     await _query(request, runtimes, ("parameters",))
-    async with _lock(runtimes, name):
-        return _json(await load(runtimes, name))
+    return _json(await _serialized(runtimes, name, load))
 
 
 @router.post("/v2/repository/models/{name}/unload", responses=error_responses(True, (403, 404, 413)),
@@ -178,5 +184,4 @@ async def unload_model(name: str, request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     _enabled(runtimes)
     await _query(request, runtimes, ("parameters",))
-    async with _lock(runtimes, name):
-        return _json(await unload(runtimes, name))
+    return _json(await _serialized(runtimes, name, unload))

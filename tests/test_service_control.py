@@ -367,3 +367,15 @@ async def test_loads_of_one_model_run_one_at_a_time(model_dir: Path, monkeypatch
         assert list(app.state.runtimes.versions["digits"]) == [1, 2]  # the last load won; nothing doubled
         await _until(lambda: not app.state.runtimes.draining)
         assert (await client.post("/v2/models/digits/infer", json=INFER)).status_code == 200
+
+
+def test_a_version_whose_warm_up_fails_is_not_served(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service import registry
+
+    def broken(entry: Any, settings: Settings) -> int:
+        raise RuntimeError("out of memory at batch 16")
+
+    monkeypatch.setattr(registry, "warm_up", broken)
+    loaded, failed = registry.load_versions("digits", scan(model_dir)["digits"], Settings(model_dir=model_dir))
+    assert loaded == {} and failed == {1: "warm-up failed: out of memory at batch 16",
+                                       2: "warm-up failed: out of memory at batch 16"}
