@@ -89,8 +89,7 @@ def _enabled(runtimes: Runtimes) -> None:
                            code="model_control_disabled")
 
 
-async def _serialized(runtimes: Runtimes, name: str,
-                      action: Callable[[Runtimes, str], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+async def _serialized(runtimes: Runtimes, name: str, action: Action) -> dict[str, Any]:
     """`action` on `name`, after the model's earlier loads and unloads; it completes even if the client leaves
     (a half-done swap would leave a loaded version unserved)."""
     async def locked() -> dict[str, Any]:
@@ -167,21 +166,25 @@ async def unload(runtimes: Runtimes, name: str) -> dict[str, Any]:
     return {"name": name, "versions": []}
 
 
-@router.post("/v2/repository/models/{name}/load", responses=error_responses(True, (400, 403, 404, 413)),
-             summary="Load or reload a model from the model directory; new versions warm up, then take new "
-             "requests while replaced ones finish theirs (needs --model-control explicit)")
-async def load_model(name: str, request: Request) -> Response:
+Action = Callable[[Runtimes, str], Awaitable[dict[str, Any]]]
+
+
+async def _control(request: Request, name: str, action: Action) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     _enabled(runtimes)
     await _query(request, runtimes, ("parameters",))
-    return _json(await _serialized(runtimes, name, load))
+    return _json(await _serialized(runtimes, name, action))
+
+
+@router.post("/v2/repository/models/{name}/load", responses=error_responses(True, (400, 403, 404, 413, 503)),
+             summary="Load or reload a model from the model directory; new versions warm up, then take new "
+             "requests while replaced ones finish theirs (needs --model-control explicit)")
+async def load_model(name: str, request: Request) -> Response:
+    return await _control(request, name, load)
 
 
 @router.post("/v2/repository/models/{name}/unload", responses=error_responses(True, (403, 404, 413)),
              summary="Stop serving a model: it takes no new requests and is released after its in-flight ones "
              "(needs --model-control explicit)")
 async def unload_model(name: str, request: Request) -> Response:
-    runtimes: Runtimes = request.app.state.runtimes
-    _enabled(runtimes)
-    await _query(request, runtimes, ("parameters",))
-    return _json(await _serialized(runtimes, name, unload))
+    return await _control(request, name, unload)
