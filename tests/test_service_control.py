@@ -379,3 +379,12 @@ def test_a_version_whose_warm_up_fails_is_not_served(model_dir: Path, monkeypatc
     loaded, failed = registry.load_versions("digits", scan(model_dir)["digits"], Settings(model_dir=model_dir))
     assert loaded == {} and failed == {1: "warm-up failed: out of memory at batch 16",
                                        2: "warm-up failed: out of memory at batch 16"}
+
+
+def test_ray_refuses_model_control(capsys: pytest.CaptureFixture[str]) -> None:
+    from service.ray.options import parse
+
+    with pytest.raises(SystemExit) as exc:
+        parse(["--model-control", "explicit"])
+    assert exc.value.code == 2 and "redeploy" in capsys.readouterr().err
+    assert parse(["--warmup-calls", "0"])[0].warmup_calls == 0
