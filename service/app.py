@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from service import classify, kserve, openai_api
+from service import classify, control, kserve, openai_api
 from service.access import RequestTracking
 from service.auth import ApiKeyAuth, OpenPaths
 from service.config import Settings
@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtimes.start()
-        log.info("serving %s", ", ".join(f"{n} ({rt.task}, {rt.entry.backend.kind})"
+        log.info("serving %s", ", ".join(f"{n} v{rt.version} ({rt.task}, {rt.entry.backend.kind})"
                                         for n, rt in runtimes.models.items()))
         try:
             yield
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     app.include_router(openai_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
+    app.include_router(control.router)
     app.state.model_routes = labelled_routes(openai_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")

@@ -20,6 +20,7 @@ SECRET_OPTIONS = ("api_key", "ssl_keyfile_password")  # --help shows no default,
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
+MODEL_CONTROL = ("none", "explicit")  # Triton's --model-control-mode, without "poll"
 
 
 def _default_model_dir() -> Path:
@@ -96,10 +97,15 @@ class Settings:
     ssl_keyfile_password: str = field(default="", repr=False)
     # api_key and api_key_file's keys together, read once here (a missing file is an error at start, exit 2)
     api_keys: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    # Models that change while the server runs (warm-up, versions, the repository API).
+    warmup_calls: int = 1  # each representative warm-up call runs this often at load; 0: no warm-up
+    model_control: str = "none"  # "explicit": POST /v2/repository/models/{m}/load and /unload are allowed
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.model_control not in MODEL_CONTROL:
+            raise ValueError(f"model_control must be one of {', '.join(MODEL_CONTROL)}, got {self.model_control!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not 0 < self.port < 65536:
@@ -110,7 +116,8 @@ class Settings:
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens"):
+        for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
+                     "warmup_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
@@ -193,6 +200,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("ssl_keyfile", str, "TLS: private key file (PEM)", "PATH"),
     _Option("ssl_keyfile_password", str, "TLS: password of an encrypted key file (prefer the environment "
             "variable: the command line is visible to other users)", "PASSWORD"),
+    _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
+            "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
+    _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "
+            "models while serving (Triton's --model-control-mode); none: the models of startup, fixed",
+            choices=MODEL_CONTROL),
 )
 
 

@@ -27,10 +27,11 @@ from service.config import Settings
 from service.context import current
 from service.lifecycle import Tracker, deadline, outcome_of, tracked, unless_disconnected
 from service.metrics import UNKNOWN_MODEL
-from service.runtime import R, Runtimes
+from service.runtime import ModelRuntime, R, Runtimes
 from service.tracing import record_timing
 
 T = TypeVar("T")
+H = TypeVar("H", bound=ModelRuntime)
 F = TypeVar("F", bound=Callable[..., Any])
 LABEL_ATTRIBUTE = "endpoint_label"
 
@@ -53,9 +54,16 @@ class ModelCall:
     def settings(self) -> Settings:
         return self.runtimes.settings
 
-    def runtime(self, name: str, kind: type[R]) -> R:
-        """The served model `name`, of the runtime type the endpoint needs (404 / 400 otherwise)."""
-        return self.runtimes.typed(name, kind)
+    def runtime(self, name: str, kind: type[R], version: str | None = None) -> R:
+        """The served model `name` (its latest version, or `version`), of the runtime type the endpoint needs
+        (404 / 400 otherwise). The request holds it until it finishes: a replaced version drains before release."""
+        return self.hold(self.runtimes.typed(name, kind, version))
+
+    def hold(self, rt: H) -> H:
+        """Keep `rt` from being released (by a repository load or unload) until this request finishes."""
+        rt.acquire()
+        self.tracker.on_finish.append(rt.release)
+        return rt
 
     def deadline(self, requested_s: float | None = None) -> float:
         """When the request must be answered: the server's timeout, or the request's own if shorter."""

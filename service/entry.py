@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from models import registry as architectures
@@ -37,6 +38,9 @@ class ModelEntry:
     created: int = field(default_factory=lambda: int(time.time()))
     preprocessor: Preprocess | None = None  # built from `preprocess` when the model is loaded (validates it)
     byte_tokenizer: ByteTokenizer | None = None  # likewise from `tokenizer`
+    version: int = 1  # Triton's layout: name/<version>/model.onnx; a plain file is version 1
+    source: Path | None = None  # the file it was loaded from
+    fingerprint: tuple[tuple[str, int, int], ...] = ()  # its files' (path, mtime, size) when it was loaded
 
     @property
     def kind(self) -> architectures.Task:

@@ -23,6 +23,7 @@ OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "ti
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # what OpenAI answers for a wrong key (code invalid_api_key)
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout",
@@ -95,6 +96,7 @@ def error_response(path: str, status: int, message: str, *, code: str | None = N
 _WHY = {
     400: "invalid request: malformed body, value out of range, tensor that does not fit the model",
     401: "missing or wrong API key (when the server has API keys)",
+    403: "model control (load/unload) is disabled (--model-control none)",
     404: "unknown model, version or route",
     408: "request body not received within body_timeout_s",
     413: "body over max_body_bytes (JSON: over max_json_bytes)",

@@ -18,15 +18,14 @@ from starlette.responses import Response
 
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES
 from service.endpoint import ModelCall, model_call, model_endpoint
-from service.errors import LOOKUP, MODEL_CALL, ServiceError, error_responses
-from service.jsonio import check_size, dumps, loads
+from service.errors import LOOKUP, MODEL_CALL, error_responses
+from service.jsonio import dumps
 from service.kserve_codec import DTYPES, HEADER_LENGTH, bad, decode_tensors, encode_outputs, parse_body
 from service.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
 from service.tracing import phase
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
-VERSION = "1"
 
 _TENSOR = {
     "type": "object",
@@ -84,10 +83,11 @@ def io_spec(rt: ModelRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 
 def _model(request: Request, name: str, version: str | None) -> ModelRuntime:
     runtimes: Runtimes = request.app.state.runtimes
-    rt = runtimes.get(name)
-    if version not in (None, "", VERSION):
-        raise ServiceError(404, f"model {name!r} has no version {version!r} (only {VERSION})", code="no_version")
-    return rt
+    return runtimes.get(name, version)
+
+
+def _versions(request: Request, name: str) -> list[str]:
+    return [str(v) for v in request.app.state.runtimes.versions[name]]
 
 
 @router.get("/v2", summary="Server metadata")
@@ -124,26 +124,9 @@ async def ready(request: Request) -> Response:
         body["reason"] = "not started or shutting down"
     elif failing:
         body["reason"] = "; ".join(f"{n}: {why}" for n, why in failing.items())
+    if runtimes.loading:  # repository loads in progress: their previous versions (if any) serve meanwhile
+        body["loading"] = {n: [str(v) for v in sorted(vs)] for n, vs in sorted(runtimes.loading.items())}
     return _json(body, 200 if ok else 503)
-
-
-@router.post("/v2/repository/index", responses=error_responses(True, (400, 413)),
-             summary="Every model of the model directory, ready or not, with why not "
-             "(Triton's model repository extension)")
-async def repository_index(request: Request) -> Response:
-    runtimes: Runtimes = request.app.state.runtimes
-    problems = runtimes.problems()
-    rows = [{"name": n, "version": VERSION, "state": "UNAVAILABLE" if n in problems else "READY",
-             "reason": problems.get(n, "")} for n in sorted([*runtimes.models, *runtimes.skipped])]
-    body = await request.body()
-    if body.strip():
-        check_size(len(body), runtimes.settings.max_json_bytes)
-        query = loads(body, "request body")
-        if not isinstance(query, dict) or not isinstance(query.get("ready", False), bool):
-            raise bad("body must be an object with an optional boolean 'ready'")
-        if query.get("ready"):
-            rows = [r for r in rows if r["state"] == "READY"]
-    return _json(rows)
 
 
 @router.get("/v2/models/{name}", summary="Model metadata", responses=error_responses(True, LOOKUP))
@@ -154,7 +137,7 @@ async def model_metadata(name: str, request: Request, version: str | None = None
     inputs, outputs = io_spec(rt)
     for t in inputs:
         t.pop("optional", None)
-    body = {"name": rt.name, "versions": [VERSION], "platform": rt.entry.backend.platform,
+    body = {"name": rt.name, "versions": _versions(request, name), "platform": rt.entry.backend.platform,
             "inputs": inputs, "outputs": outputs}
     fused = rt.entry.backend.describe().get("fused_multimax")  # ONNX Runtime: the CPU ops' state, as /v1/models
     if fused is not None:
@@ -167,8 +150,8 @@ async def model_metadata(name: str, request: Request, version: str | None = None
             responses={400: _NOT_READY, 404: LOOKUP_404})
 async def model_ready(name: str, request: Request, version: str | None = None) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
-    if name in runtimes.skipped and version in (None, "", VERSION):
-        return _json({"name": name, "ready": False, "reason": f"failed to load: {runtimes.skipped[name]}"}, 400)
+    if name not in runtimes.models and name in runtimes.names():
+        return _json({"name": name, "ready": False, "reason": runtimes.why_not(name)}, 400)
     rt = _model(request, name, version)
     problem = rt.problem if runtimes.ready else "not started or shutting down"
     body: dict[str, Any] = {"name": rt.name, "ready": problem is None}
@@ -209,7 +192,7 @@ async def read_request(request: Request, limit: int, json_limit: int) -> tuple[d
 
 def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str, np.ndarray]) -> Response:
     labels = rt.labels if isinstance(rt, VisionRuntime) else []
-    head, blobs = encode_outputs(rt.name, VERSION, header, outputs, labels)
+    head, blobs = encode_outputs(rt.name, str(rt.version), header, outputs, labels)
     if not blobs:
         return Response(head, media_type="application/json")
     return Response(head + b"".join(blobs), media_type="application/octet-stream",
@@ -276,7 +259,7 @@ def text_inputs(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: int)
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     async with model_call(request, name) as call:
         settings = call.settings
-        rt = _model(request, name, version)
+        rt = call.hold(_model(request, name, version))
         if isinstance(rt, VisionRuntime):  # a request that will get 429 is refused before its body is read
             rt.batcher.check_room()
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.exceptions import HTTPException
@@ -29,11 +29,14 @@ class Tracker:
         self.metrics, self.model, self.endpoint = metrics, model, endpoint
         self.start = time.perf_counter()
         self.outcome: str | None = None
+        self.on_finish: list[Callable[[], None]] = []  # e.g. release the model runtime the request held
 
     def finish(self, outcome: str) -> None:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        for release in self.on_finish:
+            release()
         self.metrics.requests.labels(self.model, self.endpoint, outcome).inc()
         self.metrics.request_duration.labels(self.model, self.endpoint).observe(time.perf_counter() - self.start)
         self.metrics.pending.labels(self.model).dec()

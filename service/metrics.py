@@ -39,6 +39,9 @@ class Metrics:
         self.model_ready = Gauge(
             "multimax_model_ready", "1 if the model serves requests; 0 if it failed to load, its worker died or "
             "its recent model calls all failed (see POST /v2/repository/index for why)", m, registry=r)
+        self.version_ready = Gauge(
+            "multimax_model_version_ready", "1 for each loaded version of a model that serves requests (the "
+            "latest one also serves the routes that name no version)", ("model", "version"), registry=r)
         # generation
         self.ttft = Histogram(
             "multimax_time_to_first_token_seconds", "Time from arrival to the first generated token",

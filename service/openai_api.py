@@ -49,6 +49,8 @@ class ModelCard(BaseModel):
     labels: list[str] | None = None
     # ONNX Runtime backend: whether the fused MultiMax CPU ops (plugins.ort_ops) run this model, or why not.
     fused_multimax: dict[str, Any] | None = None
+    version: str = "1"  # the version that serves requests naming this model (its latest loaded)
+    versions: list[str] = Field(default_factory=lambda: ["1"])  # every loaded version (KServe V2 routes reach each)
 
 
 class ModelList(BaseModel):
@@ -117,29 +119,31 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # "<model>:<version>": which loaded version answered
 
 
 # ---- models --------------------------------------------------------------------------------------------
 
 
-def model_card(rt: ModelRuntime) -> ModelCard:
+def model_card(rt: ModelRuntime, versions: list[int]) -> ModelCard:
     entry = rt.entry
     return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
                      provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels,
-                     fused_multimax=entry.backend.describe().get("fused_multimax"))
+                     fused_multimax=entry.backend.describe().get("fused_multimax"), version=str(entry.version),
+                     versions=[str(v) for v in versions])
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")
 async def list_models(request: Request) -> ModelList:
     runtimes: Runtimes = request.app.state.runtimes
-    return ModelList(data=[model_card(rt) for rt in runtimes.models.values()])
+    return ModelList(data=[model_card(rt, list(runtimes.versions[n])) for n, rt in runtimes.models.items()])
 
 
 @router.get("/v1/models/{name}", response_model=ModelCard, summary="One served model",
             responses=error_responses(False, LOOKUP))
 async def get_model(name: str, request: Request) -> ModelCard:
     runtimes: Runtimes = request.app.state.runtimes
-    return model_card(runtimes.get(name))
+    return model_card(runtimes.get(name), list(runtimes.versions[name]))
 
 
 # ---- completions: decode request ------------------------------------------------------------------------
@@ -358,7 +362,8 @@ async def completions(request: Request) -> Response:
         groups = choices.expand(prompts, params, best_of, changed)
         seqs = [s for g in groups for s in g]
         rt.scheduler.submit(seqs)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name}
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
+                "system_fingerprint": f"{rt.name}:{rt.version}"}  # the model version that answers
         try:
             if req.stream:
                 # Wait for the first token before answering: a failure until then is still a proper HTTP error,

@@ -26,6 +26,7 @@ from service.backends.checks import check_io
 from service.config import Settings
 from service.entry import SERVED_TASKS, ModelEntry
 from service.vision import Preprocess
+from service.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,48 @@ class RegistryError(RuntimeError):
     """The directory cannot be served at all (one line for the user)."""
 
 
-def scan(model_dir: Path) -> dict[str, dict[str, Path]]:
-    """stem -> {backend kind: file}, in name order."""
+Files = dict[str, Path]  # backend kind -> file of one model version
+DEFAULT_VERSION = 1  # a plain file `name.onnx` is version 1 of `name`
+
+
+def _kinds(paths: list[Path], stem: str) -> Files:
+    """backend kind -> file among `paths` named `stem.<suffix>`."""
+    files: Files = {}
+    for path in paths:
+        kind = SUFFIXES.get(path.suffix)
+        if kind and path.stem == stem and path.is_file():
+            files.setdefault(kind, path)
+    return files
+
+
+def _versions(directory: Path) -> dict[int, Files]:
+    """Triton's layout: `name/<number>/model.onnx` (or .pt/.engine/.plan, side files such as model.json beside)."""
+    found: dict[int, Files] = {}
+    for sub in directory.iterdir():
+        if sub.is_dir() and sub.name.isascii() and sub.name.isdigit() and int(sub.name) > 0:
+            files = _kinds(sorted(sub.iterdir()), "model")
+            if files:
+                found[int(sub.name)] = files
+    return dict(sorted(found.items()))
+
+
+def scan(model_dir: Path) -> dict[str, dict[int, Files]]:
+    """name -> version -> {backend kind: file}, in name order. A plain file `x.onnx` is version 1 of `x`; a
+    directory `x/` with numbered subdirectories holds x's versions (it wins over plain `x.*` files)."""
     if not model_dir.is_dir():
         raise RegistryError(f"model directory {model_dir} does not exist or is not a directory")
-    found: dict[str, dict[str, Path]] = {}
-    for path in sorted(model_dir.iterdir()):
+    entries = sorted(model_dir.iterdir())
+    found = {path.name: versions for path in entries if path.is_dir() and (versions := _versions(path))}
+    versioned = set(found)
+    for path in entries:
         kind = SUFFIXES.get(path.suffix)
-        if kind and path.is_file():
-            found.setdefault(path.stem, {}).setdefault(kind, path)
-    return found
+        if not kind or not path.is_file():
+            continue
+        if path.stem in versioned:
+            log.warning("%s: ignored, %s/ holds the versions of %s", path.name, path.stem, path.stem)
+            continue
+        found.setdefault(path.stem, {}).setdefault(DEFAULT_VERSION, {}).setdefault(kind, path)
+    return dict(sorted(found.items()))
 
 
 def choose(files: dict[str, Path], wanted: str) -> str | None:
@@ -61,8 +94,8 @@ def checkpoint_metadata(ckpt: Checkpoint) -> OnnxMetadata:
                         tokenizer=ckpt.tokenizer)
 
 
-def _engine_metadata(name: str, files: dict[str, Path], model_dir: Path) -> OnnxMetadata:
-    sidecar = model_dir / f"{name}.json"
+def _engine_metadata(name: str, files: Files) -> OnnxMetadata:
+    sidecar = files["tensorrt"].with_suffix(".json")  # x.json beside x.engine; model.json in a version directory
     if sidecar.is_file():
         return OnnxMetadata.from_dict(json.loads(sidecar.read_text()))
     if "onnxruntime" in files:
@@ -74,7 +107,8 @@ def _engine_metadata(name: str, files: dict[str, Path], model_dir: Path) -> Onnx
 
         ckpt, _ = parse(read_file(files["torch"]), str(files["torch"]))
         return checkpoint_metadata(ckpt)
-    raise BackendUnavailable(f"{name}: an engine needs {name}.onnx, {name}.pt or {name}.json beside it for its "
+    stem = files["tensorrt"].stem
+    raise BackendUnavailable(f"{name}: an engine needs {stem}.onnx, {stem}.pt or {stem}.json beside it for its "
                              "labels and preprocessing")
 
 
@@ -96,7 +130,7 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
     else:
         from service.backends.tensorrt import TensorRTBackend
 
-        meta = _engine_metadata(name, files, settings.model_dir)
+        meta = _engine_metadata(name, files)
         backend = TensorRTBackend(path, str(meta.arch), settings.trt_plugin_lib)
     arch = meta.arch
     if arch not in architectures.names():
@@ -153,9 +187,13 @@ def _validate_text(entry: ModelEntry, source: str) -> None:
 _VALIDATE = {architectures.VISION: _validate_vision, architectures.TEXT: _validate_text}
 
 
+Loaded = dict[str, dict[int, ModelEntry]]  # name -> version -> entry
+Failed = dict[str, dict[int, str]]  # name -> version -> why it is not served
+
+
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:
-    """Every servable model in settings.model_dir (restricted to settings.models if given)."""
-    return load_models(settings)[0]
+    """Every servable model in settings.model_dir (restricted to settings.models if given), its latest version."""
+    return {name: versions[max(versions)] for name, versions in load_models(settings)[0].items()}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -163,8 +201,60 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def load_models(settings: Settings) -> tuple[dict[str, ModelEntry], dict[str, str]]:
-    """(servable models, skipped models -> why), for settings.model_dir (restricted to settings.models)."""
+def fingerprint(files: Files) -> tuple[tuple[str, int, int], ...]:
+    """What identifies a version's files on disk (a repository load reloads a version whose files changed)."""
+    stats = [(str(path), path.stat()) for path in sorted(files.values())]
+    return tuple((name, st.st_mtime_ns, st.st_size) for name, st in stats)
+
+
+def check_backend(settings: Settings) -> None:
+    if settings.backend == "tensorrt":
+        from plugins.trt_plugin import tensorrt_unavailable
+
+        why = tensorrt_unavailable()
+        if why:
+            raise RegistryError(f"--backend tensorrt: {why}")
+
+
+def load_version(name: str, version: int, files: Files, settings: Settings) -> ModelEntry:
+    """One version of a model, loaded, validated and warmed up (raises with the reason it cannot be served)."""
+    kind = choose(files, settings.backend)
+    if kind is None:
+        raise BackendUnavailable(f"no file for backend {settings.backend}")
+    if settings.backend not in ("auto", kind):
+        log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
+    start = time.perf_counter()
+    stamp = fingerprint(files)  # before reading: a file replaced meanwhile is seen as changed by the next load
+    entry = load_model(name, kind, files, settings)
+    entry.version, entry.source, entry.fingerprint = version, files[kind], stamp
+    loaded = time.perf_counter()
+    try:
+        calls = warm_up(entry, settings)
+    except BaseException as exc:
+        entry.backend.close()
+        raise BackendUnavailable(f"warm-up failed: {_one_line(exc)}") from exc
+    log.info("loaded %s version %d (%s, %s on %s) in %.2f s, warmed up with %d calls in %.2f s", name, version,
+             entry.task, entry.backend.kind, entry.backend.provider, loaded - start, calls,
+             time.perf_counter() - loaded)
+    return entry
+
+
+def load_versions(name: str, versions: dict[int, Files], settings: Settings) -> tuple[dict[int, ModelEntry],
+                                                                                      dict[int, str]]:
+    """(loaded versions, failed versions -> why) of one model."""
+    entries: dict[int, ModelEntry] = {}
+    failed: dict[int, str] = {}
+    for version, files in versions.items():
+        try:
+            entries[version] = load_version(name, version, files, settings)
+        except Exception as exc:  # whatever a bad file raises (MemoryError included), it costs one version only
+            failed[version] = _one_line(exc)
+            log.error("%s: not served: %s (version %d)", name, failed[version], version)
+    return entries, failed
+
+
+def load_models(settings: Settings) -> tuple[Loaded, Failed]:
+    """(servable models, versions that failed -> why), for settings.model_dir (restricted to settings.models)."""
     found = scan(settings.model_dir)
     if settings.models:
         missing = [m for m in settings.models if m not in found]
@@ -172,32 +262,15 @@ def load_models(settings: Settings) -> tuple[dict[str, ModelEntry], dict[str, st
             raise RegistryError(f"model(s) {', '.join(missing)} not found in {settings.model_dir} "
                                 f"(found: {', '.join(found) or 'none'})")
         found = {m: found[m] for m in settings.models}
-    if settings.backend == "tensorrt":
-        from plugins.trt_plugin import tensorrt_unavailable
-
-        why = tensorrt_unavailable()
-        if why:
-            raise RegistryError(f"--backend tensorrt: {why}")
-    entries: dict[str, ModelEntry] = {}
-    skipped: dict[str, str] = {}
-    for name, files in found.items():
-        kind = choose(files, settings.backend)
-        if kind is None:
-            log.warning("%s: no file for backend %s, skipped", name, settings.backend)
-            skipped[name] = f"no file for backend {settings.backend}"
-            continue
-        if settings.backend not in ("auto", kind):
-            log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
-        start = time.perf_counter()
-        try:
-            entries[name] = load_model(name, kind, files, settings)
-        except Exception as exc:  # whatever a bad file raises (MemoryError included), it costs one model only
-            skipped[name] = _one_line(exc)
-            log.error("%s: not served: %s", name, skipped[name])
-            continue
-        entry = entries[name]
-        log.info("loaded %s (%s, %s on %s) in %.2f s", name, entry.task, entry.backend.kind,
-                 entry.backend.provider, time.perf_counter() - start)
+    check_backend(settings)
+    entries: Loaded = {}
+    skipped: Failed = {}
+    for name, versions in found.items():
+        loaded, failed = load_versions(name, versions, settings)
+        if loaded:
+            entries[name] = loaded
+        if failed:
+            skipped[name] = failed
     if not entries:
         raise RegistryError(f"no servable model in {settings.model_dir} (see the log for why)")
     return entries, skipped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import ServiceError
 from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
+from service.registry import Failed, Loaded
 from service.vision import Preprocess
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,33 @@ class _Runtime:
     def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor) -> None:
         self.entry = entry
         self.executor = executor  # one thread: the model computes one call at a time, off the event loop
+        self.leases = 0  # requests (streams included) that hold this runtime: it is released once they finish
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def name(self) -> str:
         return self.entry.name
+
+    @property
+    def version(self) -> int:
+        return self.entry.version
+
+    def acquire(self) -> None:
+        self.leases += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.leases -= 1
+        if self.leases == 0:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        """Returns once no request holds this runtime (or `stop_waiting` was called)."""
+        await self._idle.wait()
+
+    def stop_waiting(self) -> None:
+        self._idle.set()
 
     @property
     def task(self) -> str:
@@ -91,70 +116,150 @@ R = TypeVar("R", VisionRuntime, TextRuntime)
 
 
 class Runtimes:
-    """Every served model's runtime; started and stopped with the app (its lifespan)."""
+    """Every served model's runtimes, one per loaded version; started and stopped with the app (its lifespan).
 
-    def __init__(self, entries: dict[str, ModelEntry], settings: Settings, metrics: Metrics,
-                 skipped: dict[str, str] | None = None) -> None:
+    `models` maps each name to its latest loaded version: what plain routes and the OpenAI API serve.
+    A request holds its runtime (`acquire`/`release`, through the endpoint's tracker) until it is answered or
+    its stream ends, so a runtime replaced or unloaded by the repository API (service.control) is released only
+    after its last request.
+    """
+
+    def __init__(self, entries: Loaded, settings: Settings, metrics: Metrics, skipped: Failed | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.versions: dict[str, dict[int, ModelRuntime]] = {}
         self.models: dict[str, ModelRuntime] = {}
-        self.skipped = dict(skipped or {})  # models that failed to load -> why
+        # name -> version -> why it is not served (failed to load, unloaded); kept until it loads again
+        self.unavailable: dict[str, dict[int, str]] = {n: dict(v) for n, v in (skipped or {}).items()}
+        self.loading: dict[str, set[int]] = {}  # versions a repository load is loading and warming up now
+        self.draining: set[ModelRuntime] = set()  # replaced or unloaded, waiting for their last requests
+        self.locks: dict[str, asyncio.Lock] = {}  # repository loads/unloads of one model run one at a time
+        self._releases: set[asyncio.Task[None]] = set()
         self.ready = False
-        for name, entry in entries.items():
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{name}")
-            rt = _RUNTIMES[entry.kind](entry, executor, settings, metrics)
-            self.models[name] = rt
-            metrics.init_model(name, entry.served.endpoints)
-            metrics.model_ready.labels(name).set_function(self._readiness(rt))
-        for name in self.skipped:
-            metrics.model_ready.labels(name).set(0)
+        self._version_series: set[tuple[str, str]] = set()  # (model, version) series of multimax_model_version_ready
+        for name, versions in entries.items():
+            self.versions[name] = {v: self.runtime_of(e) for v, e in sorted(versions.items())}
+            self.publish(name)
+        for name in self.unavailable:
+            if name not in self.models:
+                metrics.model_ready.labels(name).set(0)
+
+    def runtime_of(self, entry: ModelEntry) -> ModelRuntime:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{entry.name}-{entry.version}")
+        return _RUNTIMES[entry.kind](entry, executor, self.settings, self.metrics)
+
+    def publish(self, name: str) -> None:
+        """Route plain requests for `name` to its latest version (or nowhere), and point its metrics there."""
+        versions = self.versions.get(name) or {}
+        ready = self.metrics.model_ready.labels(name)
+        if versions:
+            rt = self.models[name] = versions[max(versions)]
+            self.metrics.init_model(name, rt.entry.served.endpoints)
+            ready.set_function(self._readiness(rt))
+        else:
+            self.versions.pop(name, None)
+            self.models.pop(name, None)
+            ready.set_function(lambda: 0.0)
+        for labels in [x for x in self._version_series if x[0] == name and int(x[1]) not in versions]:
+            self.metrics.version_ready.remove(*labels)
+            self._version_series.discard(labels)
+        for v, rt in versions.items():
+            self.metrics.version_ready.labels(name, str(v)).set_function(self._readiness(rt))
+            self._version_series.add((name, str(v)))
 
     def _readiness(self, rt: ModelRuntime) -> Callable[[], float]:
         """multimax_model_ready of one model: 1 while the server serves and its worker is healthy."""
         return lambda: float(self.ready and rt.problem is None)
 
+    def names(self) -> list[str]:
+        """Every model the server knows: served, loading, failed or unloaded."""
+        return sorted({*self.versions, *self.unavailable, *self.loading})
+
+    def why_not(self, name: str) -> str:
+        """Why `name` has no served version (for a 404 or a readiness answer)."""
+        if name in self.loading:
+            return "it is loading (warming up)"
+        reasons = self.unavailable.get(name) or {}
+        if reasons and set(reasons.values()) == {"unloaded"}:
+            return "it was unloaded"
+        return "it failed to load (" + "; ".join(f"version {v}: {why}" for v, why in sorted(reasons.items())) + ")"
+
     def problems(self) -> dict[str, str]:
         """Every model that is not ready, and why (skipped at startup, worker died, keeps failing)."""
-        out = dict(self.skipped)
+        out = {name: self.why_not(name) for name in self.names() if name not in self.models}
         for name, rt in self.models.items():
             if rt.problem is not None:
                 out[name] = rt.problem
         return out
 
     def start(self) -> None:
-        for rt in self.models.values():
-            rt.worker.start()
+        for versions in self.versions.values():
+            for rt in versions.values():
+                rt.worker.start()
         self.ready = True
+
+    def start_runtime(self, rt: ModelRuntime) -> None:
+        if not self.ready:
+            raise ServiceError(503, "server is not started or shutting down", code="shutting_down")
+        rt.worker.start()
+
+    async def release(self, rt: ModelRuntime, wait: bool = True) -> None:
+        """Stop a runtime: its worker finishes what it accepted (after its last requests, `wait`), then it is freed."""
+        self.draining.add(rt)
+        try:
+            if wait:
+                await rt.drained()
+            await rt.worker.close()
+            await asyncio.get_running_loop().run_in_executor(None, rt.executor.shutdown, True)
+            rt.entry.backend.close()
+        finally:
+            self.draining.discard(rt)
+        log.info("released %s version %d", rt.name, rt.version)
+
+    def release_later(self, rt: ModelRuntime) -> None:
+        """Release `rt` once its last request has finished, without waiting here."""
+        self.draining.add(rt)  # now: the repository index shows it UNLOADING at once
+        task = asyncio.get_running_loop().create_task(self.release(rt), name=f"release-{rt.name}-{rt.version}")
+        self._releases.add(task)  # a reference until it ends (the loop keeps only weak ones)
+        task.add_done_callback(self._releases.discard)
 
     async def stop(self) -> None:
         """Finish queued and running work (new work is refused meanwhile), then release the models."""
         self.ready = False
-        for rt in self.models.values():
-            await rt.worker.close()
-        for rt in self.models.values():
-            rt.executor.shutdown(wait=True)
-            rt.entry.backend.close()
+        for rt in self.draining:
+            rt.stop_waiting()  # shutting down: uvicorn has already waited for the in-flight requests
+        runtimes = [rt for versions in self.versions.values() for rt in versions.values()]
+        await asyncio.gather(*(self.release(rt, wait=False) for rt in runtimes), *self._releases)
 
     def dead_loops(self) -> list[str]:
         """Models whose batcher or decode loop ended while the server is serving (a health check fails on
         these: the process cannot recover them, a supervisor should replace it)."""
         if not self.ready:
             return []  # not started yet, or stopping: the loops end on purpose
-        return [rt.name for rt in self.models.values() if not rt.worker.alive]
+        return [rt.name for versions in self.versions.values() for rt in versions.values() if not rt.worker.alive]
 
-    def get(self, name: str) -> ModelRuntime:
-        rt = self.models.get(name)
-        if rt is None and name in self.skipped:
-            raise ServiceError(404, f"model {name!r} is not served: it failed to load ({self.skipped[name]})",
-                               code="model_not_found", param="model")
-        if rt is None:
+    def get(self, name: str, version: str | int | None = None) -> ModelRuntime:
+        """The runtime of `name` (its latest version, or `version`); 404 with the reason otherwise."""
+        if name not in self.models:
+            if name in self.names():
+                raise ServiceError(404, f"model {name!r} is not served: {self.why_not(name)}",
+                                   code="model_not_found", param="model")
             raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
                                code="model_not_found", param="model")
-        return rt
+        if version is None or version == "":
+            return self.models[name]
+        versions = self.versions[name]
+        number = int(version) if isinstance(version, int) or (version.isascii() and version.isdigit()) else None
+        if number not in versions:
+            why = (self.unavailable.get(name) or {}).get(number or 0)
+            raise ServiceError(404, f"model {name!r} has no version {str(version)!r} "
+                               f"{f'({why}) ' if why else ''}(served: {', '.join(map(str, versions))})",
+                               code="model_not_found", param="version")
+        return versions[number]
 
-    def typed(self, name: str, kind: type[R]) -> R:
+    def typed(self, name: str, kind: type[R], version: str | int | None = None) -> R:
         """The runtime of `name`, which must be of `kind` (a 400 naming both tasks otherwise)."""
-        rt = self.get(name)
+        rt = self.get(name, version)
         if not isinstance(rt, kind):
             want = SERVED_TASKS[VISION if kind is VisionRuntime else TEXT].name
             raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {want}", code="wrong_task",

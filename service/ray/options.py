@@ -158,6 +158,9 @@ def parse(argv: Sequence[str] | None = None,
     exits 2 with one line on a bad value."""
     parser = parser or build_ray_parser()
     settings = load_settings(argv, parser=parser)
+    if settings.model_control != "none":  # each replica would load on its own, behind a proxy that picks one
+        parser.error("--model-control explicit is for python -m service; under Ray Serve, change models by "
+                     "redeploying (serve deploy / serve run with the new model directory)")
     args = parser.parse_args(argv)
     try:
         scale = ScaleOptions(**{name: getattr(args, name) for name in RAY_OPTIONS})
