@@ -40,7 +40,9 @@ def _masked(x: Tensor, mask: Tensor | None, dim: int) -> tuple[Tensor, Tensor]:
         y = x.movedim(dim, -1)
         return y, torch.ones_like(y, dtype=torch.bool)
     y = x + mask
-    return y.movedim(dim, -1), (mask > MASKED_BELOW).expand(y.shape).movedim(dim, -1)
+    keep = (mask > MASKED_BELOW).expand(y.shape).movedim(dim, -1)
+    # masked entries are read nowhere; 0 instead of ~finfo.min keeps every gradient path finite (0 * inf)
+    return torch.where(keep, y.movedim(dim, -1), torch.zeros((), dtype=y.dtype, device=y.device)), keep
 
 
 def _finish(p: Tensor, keep: Tensor, dim: int) -> Tensor:
