@@ -206,9 +206,11 @@ class ReweightingSpec:
         for key, value in given.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"option {key} of {self.name} must be a number, got {value!r}")
+            if isinstance(self.options[key], int) and value != int(value):
+                raise ValueError(f"option {key} of {self.name} must be an integer, got {value!r}")
             out[key] = int(value) if isinstance(self.options[key], int) else float(value)
-        if "k" in out and (out["k"] < 1 or out["k"] != int(out["k"])):
-            raise ValueError(f"top-k softmax needs an integer k >= 1, got {out['k']}")
+        if "k" in out and out["k"] < 1:
+            raise ValueError(f"top-k softmax needs k >= 1, got {out['k']}")
         if "eps" in out and not 0 < out["eps"] < 1:
             raise ValueError(f"length-scaled softmax needs eps in (0, 1), got {out['eps']}")
         if "m" in out and out["m"] < 0:
