@@ -166,16 +166,23 @@ class Attention(nn.Module):
             _add_multimax_params(self, affine=config.variant == "v2")
         self.reweight = make_attention_function(config.attention_function, config.num_heads, config.attention_options)
 
-    def forward(self, x: Tensor) -> Tensor:
-        B, N, C = x.shape
+    def scores_and_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Scaled scores (B, H, N, N) and values (B, H, N, D) of the tokens x (B, N, C)."""
+        B, N, _ = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, N, D)
-        scores = (q @ k.transpose(-2, -1)) * self.scale
+        return (q @ k.transpose(-2, -1)) * self.scale, v
+
+    def probs(self, scores: Tensor) -> Tensor:
+        """The reweighting step: the configured function, else MultiMax (modulate, softmax) or softmax."""
         if self.reweight is not None:
-            probs = self.reweight(scores)
-        else:
-            probs = attention_probs(scores, self if self.multimax else None)  # modulate, softmax
-        return self.proj((probs @ v).transpose(1, 2).reshape(B, N, C))
+            return self.reweight(scores)
+        return attention_probs(scores, self if self.multimax else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        scores, v = self.scores_and_values(x)
+        return self.proj((self.probs(scores) @ v).transpose(1, 2).reshape(B, N, C))
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, multimax={self.multimax}, variant={self.variant}"  # reweight: a child

@@ -13,14 +13,26 @@ from pathlib import Path
 import torch
 
 from models import checkpoint as ckpt_io
-from models.cli import PLACES, UsageError, add_load_hints, load_hints, parse_places, run
+from models.cli import (
+    PLACES,
+    UsageError,
+    add_function_args,
+    add_load_hints,
+    function_overrides,
+    load_hints,
+    parse_places,
+    run,
+)
 from models.demo import DEMO_DIR
 from models.training.demo import build_demos, run_demo, text_checkpoint, vision_checkpoint
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
+    functions = function_overrides(args)
     if args.task == "demos":
+        if functions:
+            raise UsageError("train demos trains the shipped MultiMax/softmax models; use train vision|text for others")
         kinds = (args.only,) if args.only else ("vision", "text")
         report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet, kinds=kinds)
         print(json.dumps(report, indent=2))
@@ -31,13 +43,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         from models.training.vision import train_vision
 
         kwargs = {"epochs": args.epochs} if args.epochs else {}
-        result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
+        result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **functions, **kwargs)
         ckpt = vision_checkpoint(result)
     else:
         from models.training.text import train_text
 
         kwargs = {"steps": args.steps} if args.steps else {}
-        result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
+        result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **functions, **kwargs)
         ckpt = text_checkpoint(result)
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     print(json.dumps({"checkpoint": str(out), **ckpt.meta}, indent=2))
@@ -68,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", choices=("vision", "text", "demos"), help="demos = all three demo models")
     p.add_argument("-o", "--output", help="checkpoint file (a directory for 'demos')")
     p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | none (softmax twin)")
+    add_function_args(p)
     p.add_argument("--epochs", type=int, help="vision epochs")
     p.add_argument("--steps", type=int, help="text optimisation steps")
     p.add_argument("--seed", type=int, default=0)
