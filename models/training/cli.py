@@ -1,4 +1,5 @@
-"""`python -m models.training`: train the demo models, run the demo, plot learned MultiMax modulations.
+"""`python -m models.training`: train the demo models, run the demo, plot learned MultiMax modulations, compare
+reweighting functions.
 
 Errors behave as in `python -m models`: one line on stderr and exit code 2, nothing written unless the
 command finished.
@@ -68,6 +69,24 @@ def cmd_plot_sigma(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from models.training.compare import ALL, compare, table
+
+    results = Path(args.output)
+    if args.table:
+        if not results.is_file():
+            raise UsageError(f"{results}: no results yet (run compare first)")
+        print(table(json.loads(results.read_text())))
+        return 0
+    names = [n.strip() for n in args.functions.split(",") if n.strip()] if args.functions else list(ALL)
+    torch.set_num_threads(args.threads)
+    checkpoints = Path(args.checkpoints) if args.checkpoints else None
+    data = compare(names, results, epochs=args.epochs, seed=args.seed, checkpoints=checkpoints,
+                   progress=not args.quiet)
+    print(table(data))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), rebuild=args.rebuild)
 
@@ -94,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="sigma.png")
     add_load_hints(p)
     p.set_defaults(func=cmd_plot_sigma)
+
+    p = sub.add_parser("compare", help="train the digits demo with every attention reweighting function")
+    p.add_argument("-o", "--output", default="docs/reweighting_results.json", help="results JSON (resumed)")
+    p.add_argument("--functions", help="comma-separated subset (default: all, in the table's order)")
+    p.add_argument("--epochs", type=int, help="budget (default: the shipped twins' 120)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the shipped twins)")
+    p.add_argument("--checkpoints", help="also save each trained model into this directory")
+    p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("demo", help="classify held-out digits and generate text with the demo models")
     p.add_argument("--dir", default=str(DEMO_DIR), help="where the demo checkpoints live")
