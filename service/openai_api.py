@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
+from models.onnx_contract import attention_function
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
@@ -46,6 +47,10 @@ class ModelCard(BaseModel):
     labels: list[str] | None = None
     # ONNX Runtime backend: whether the fused MultiMax CPU ops (plugins.ort_ops) run this model, or why not.
     fused_multimax: dict[str, Any] | None = None
+    # The attention reweighting the model uses (models.reweighting: multimax, softmax, sparsemax, ...), from its
+    # config (the ONNX file's metadata), and that function's options (top-k's k, ...).
+    attention_function: str | None = None
+    attention_options: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -113,7 +118,9 @@ def model_card(rt: ModelRuntime) -> ModelCard:
     entry = rt.entry
     return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
                      provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels,
-                     fused_multimax=entry.backend.describe().get("fused_multimax"))
+                     fused_multimax=entry.backend.describe().get("fused_multimax"),
+                     attention_function=attention_function(entry.config),
+                     attention_options=entry.config.get("attention_options"))
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")

@@ -17,6 +17,7 @@ from export.cli import main
 from models import reweighting as rw
 from models.checkpoint import Checkpoint, save_checkpoint
 from models.deit import DeiT, DeiTConfig
+from models.demo import DEMO_DIR, VISION_MULTIMAX
 from models.gpt import GPT, GPTConfig
 from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
 from models.tokenizer import ByteTokenizer
@@ -143,3 +144,47 @@ def test_deit_with_a_sparse_function_exports_nomask_nodes_and_validates(tmp_path
     # only the bodies the graph uses are attached (MultiMax's three always are)
     names = {f.name for f in proto.functions}
     assert REWEIGHTING_OPS[name] + "NoMask" in names and "EntMax15" not in names
+
+
+def test_served_model_says_which_function_it_uses(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from models.training.vision import DIGITS_PREPROCESS
+    from service.app import create_app
+    from service.config import Settings
+
+    torch.manual_seed(0)
+    config = DeiTConfig(img_size=32, patch_size=8, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
+                        multimax_output=False, attention_function="topk_softmax", attention_options={"k": 5})
+    ckpt = Checkpoint("deit", config.to_dict(), DeiT(config).state_dict(), labels=[str(i) for i in range(10)],
+                      preprocess=DIGITS_PREPROCESS)
+    save_checkpoint(ckpt, tmp_path / "digits_topk.pt")
+    models = tmp_path / "models"
+    models.mkdir()
+    out = models / "digits_topk.onnx"
+    assert main([str(tmp_path / "digits_topk.pt"), "--quiet", "--no-validate", "-o", str(out)]) == 0
+    with TestClient(create_app(Settings(model_dir=models))) as client:
+        card = client.get("/v1/models/digits_topk").json()
+        assert card["attention_function"] == "topk_softmax" and card["attention_options"] == {"k": 5}
+        assert client.get("/v2/models/digits_topk").json()["attention_function"] == "topk_softmax"
+        image = np.zeros((1, 1, 32, 32), np.float32).tolist()
+        r = client.post("/v2/models/digits_topk/infer", json={"inputs": [
+            {"name": "pixel_values", "datatype": "FP32", "shape": [1, 1, 32, 32], "data": image}]})
+        assert r.status_code == 200, r.text
+
+
+def test_shipped_demo_exports_as_before(tmp_path: Path) -> None:
+    """The config fields and the exporter's new bodies change nothing for MultiMax models: the shipped digits file
+    comes out node for node, attribute for attribute, metadata for metadata (only the per-node debug
+    metadata, the exporter's source stack traces, name other line numbers)."""
+    ckpt = tmp_path / "digits.pt"
+    ckpt.write_bytes((DEMO_DIR / VISION_MULTIMAX).read_bytes())
+    assert main([str(ckpt), "--quiet", "--no-validate", "-o", str(tmp_path / "digits.onnx")]) == 0
+
+    def stripped(path: Path) -> bytes:
+        proto = onnx.load(str(path))
+        for node in proto.graph.node:
+            del node.metadata_props[:]
+        return proto.SerializeToString()
+
+    assert stripped(tmp_path / "digits.onnx") == stripped(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
