@@ -87,6 +87,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_simplex(args: argparse.Namespace) -> int:
+    from models.training.simplex_plot import plot_simplex
+
+    print(f"wrote {plot_simplex(args.output)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), rebuild=args.rebuild)
 
@@ -124,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plot-simplex", help="every reweighting function on the same inputs (paper Figure 1)")
+    p.add_argument("-o", "--output", default="docs/reweighting_simplex.png")
+    p.set_defaults(func=cmd_plot_simplex)
 
     p = sub.add_parser("demo", help="classify held-out digits and generate text with the demo models")
     p.add_argument("--dir", default=str(DEMO_DIR), help="where the demo checkpoints live")
