@@ -79,10 +79,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(table(json.loads(results.read_text())))
         return 0
     names = [n.strip() for n in args.functions.split(",") if n.strip()] if args.functions else list(ALL)
-    torch.set_num_threads(args.threads)
     checkpoints = Path(args.checkpoints) if args.checkpoints else None
-    data = compare(names, results, epochs=args.epochs, seed=args.seed, checkpoints=checkpoints,
-                   progress=not args.quiet)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        data = compare(names, results, epochs=args.epochs, seed=args.seed, checkpoints=checkpoints,
+                       progress=not args.quiet, retrain_twins=args.retrain_twins)
+    finally:
+        torch.set_num_threads(threads)  # called in-process (tests): leave the caller's setting
     print(table(data))
     return 0
 
@@ -129,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the shipped twins)")
     p.add_argument("--checkpoints", help="also save each trained model into this directory")
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")
+    p.add_argument("--retrain-twins", action="store_true",
+                   help="train the MultiMax/softmax twins here too (timed like the others), not read the shipped ones")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_compare)
 
