@@ -118,7 +118,9 @@ def cmd_init(args: argparse.Namespace) -> int:
                               meta={"init": args.params, "seed": args.seed}, **arch.new_checkpoint_fields())
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, MultiMax {args.params} params)")
+    fn = config.attention_function
+    what = f"MultiMax {args.params} params" if config.multimax_attention or config.multimax_output else "no MultiMax"
+    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, {what}{f', attention {fn}' if fn else ''})")
     return 0
 
 
