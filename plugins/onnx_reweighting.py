@@ -15,6 +15,7 @@ transformed scores.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import onnx
 from onnx import AttributeProto, TensorProto, helper
@@ -37,7 +38,7 @@ class _Body:
         self.masked = masked
         self._names = itertools.count()
 
-    def op(self, op_type: str, *inputs: str, **attrs: object) -> str:
+    def op(self, op_type: str, *inputs: str, **attrs: Any) -> str:
         out = f"t{next(self._names)}"
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
         return out

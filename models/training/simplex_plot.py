@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from models.multimax import PAPER_TABLE_7, multimax, paper_row_to_params
-from models.reweighting import FUNCTIONS
+from models.reweighting import FUNCTIONS, Reweight
 
 LIMIT = 3.0  # the grid spans [-LIMIT, LIMIT]^2 for (x1, x2)
 GRID = 121
@@ -26,15 +26,20 @@ def _functions() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "softmax": lambda x: torch.softmax(x, -1),
         "multimax (Table 7, layer 12)": lambda x: multimax(x, ranges, ts),
     }
-    shown = {"topk_softmax": {"k": 2}, "gaussian": {"offset": 0.0, "scale": 1.0},
-             "laplacian": {"offset": 0.0, "scale": 1.0}}  # fmt: skip
+    shown: dict[str, dict[str, float]] = {"topk_softmax": {"k": 2}, "gaussian": {"offset": 0.0, "scale": 1.0},
+                                          "laplacian": {"offset": 0.0, "scale": 1.0}}  # fmt: skip
     for name, spec in FUNCTIONS.items():
         if spec.fn is None or name == "softmax":
             continue
-        kw = {**spec.options, **shown.get(name, {})}
+        kw: dict[str, float] = {**spec.options, **shown.get(name, {})}
         label = name + (f" ({', '.join(f'{k}={v:g}' for k, v in kw.items())})" if kw else "")
-        out[label] = lambda x, fn=spec.fn, kw=kw: fn(x, None, -1, **kw)
+        out[label] = _bound(spec.fn, kw)
     return out
+
+
+def _bound(fn: Reweight, kw: dict[str, float]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn with its options, on unmasked rows."""
+    return lambda x: fn(x, None, -1, **kw)
 
 
 def simplex_xy(p: torch.Tensor) -> torch.Tensor:
