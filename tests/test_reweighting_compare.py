@@ -30,6 +30,7 @@ def test_compare_writes_resumable_results_and_a_table(tmp_path: Path, capsys: py
     assert ckpt.config["attention_function"] == "sparsemax"
     out = capsys.readouterr().out
     assert "| sparsemax |" in out and "| entmax15 | | not run yet |" in out
+    assert sparse["cpu_seconds"] > 0 and "cpu_seconds" not in soft  # the shipped twin's CPU time is unknown
 
     # resumed: nothing is redone, and a new function is added to the same file
     before = results.read_text()

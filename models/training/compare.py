@@ -3,8 +3,10 @@
 Same recipe, seed and budget as the shipped MultiMax and softmax twins (`train_vision`'s defaults: 120
 epochs, seed 0); each other function replaces the attention step and keeps plain logits at the output, as the
 softmax twin does. The two twins are not retrained: their numbers are the shipped checkpoints' (training time
-from models/demo/report.json), measured the same way. Each function's result is written to the results JSON as
-soon as it is done, so an interrupted run resumes where it stopped (a result with another recipe is redone).
+from models/demo/report.json), measured the same way. Training time is wall time (under whatever load the
+machine had) and the process's CPU time (steadier on a shared machine). Each function's result is written to the
+results JSON as soon as it is done, so an interrupted run resumes where it stopped (a result with another recipe
+is redone).
 
 Attention metrics, on the held-out images, every layer and head: the paper's multi-modality M (definition 3.2)
 and sparsity S (3.3, reference s = the row's smallest softmax probability) with the threshold eps = the row mean
@@ -134,10 +136,12 @@ def compare(
         else:
             kwargs = {"epochs": epochs} if epochs else {}
             function = None if name in SHIPPED else name
+            cpu = time.process_time()  # CPU time: far less sensitive than wall time to the shared machine's load
             result = train_vision(
                 multimax=("attention", "output") if name == "multimax" else (), seed=seed, progress=progress,
                 attention_function=function, attention_options=OPTIONS.get(name), **kwargs
             )
+            cpu = time.process_time() - cpu
             ckpt = vision_checkpoint(result)
             if checkpoints is not None:
                 checkpoints.mkdir(parents=True, exist_ok=True)
@@ -149,6 +153,7 @@ def compare(
                 "heldout_accuracy": metrics["heldout_accuracy"],
                 "heldout_accuracy_by_input": metrics["heldout_accuracy_by_input"],
                 "seconds": metrics["seconds"],
+                "cpu_seconds": round(cpu, 1),
                 "epochs": metrics["epochs"],
                 "options": result["config"].get("attention_options") or {},
                 "output": "multimax" if name == "multimax" else "plain",
@@ -164,20 +169,20 @@ def compare(
 def table(data: dict[str, Any]) -> str:
     """The results as a Markdown table (functions in the order of ALL; missing ones say 'not run yet')."""
     rows = [
-        "| function | options | held-out accuracy | training s | multi-modality M | sparsity S | zero weights "
-        "| entropy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| function | options | held-out accuracy | training s (wall) | CPU s | multi-modality M | sparsity S "
+        "| zero weights | entropy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     results = data.get("results", {})
     for name in ALL:
         r = results.get(name)
         if r is None:
-            rows.append(f"| {name} | | not run yet | | | | | |")
+            rows.append(f"| {name} | | not run yet | | | | | | |")
             continue
         opts = ", ".join(f"{k}={v:g}" for k, v in r.get("options", {}).items())
-        secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else "?"
+        secs, cpu = (f"{r[k]:.0f}" if r.get(k) is not None else "?" for k in ("seconds", "cpu_seconds"))
         rows.append(
-            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {secs} | {r['multimodality']:.3f} | "
+            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {secs} | {cpu} | {r['multimodality']:.3f} | "
             f"{r['sparsity']:.3f} | {r['zero_share']:.1%} | {r['entropy']:.2f} |"
         )
     return "\n".join(rows)
