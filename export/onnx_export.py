@@ -26,8 +26,16 @@ from models.checkpoint import Checkpoint
 from models.deit import DeiT
 from models.gpt import GPT
 from models.multimax import onnx_export_params
-from models.onnx_contract import ONNX_DOMAIN, VISION_INPUT, VISION_OUTPUT, OnnxMetadata, text_io_names
+from models.onnx_contract import (
+    ONNX_DOMAIN,
+    VISION_INPUT,
+    VISION_OUTPUT,
+    OnnxMetadata,
+    reweighting_op_types,
+    text_io_names,
+)
 from plugins.onnx_functions import function_protos
+from plugins.onnx_reweighting import reweighting_function_protos
 
 DEFAULT_OPSET = 18
 # protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that.
@@ -179,7 +187,9 @@ def _finish(
     program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision
 ) -> Path:
     """Attach the MultiMax function bodies (or inline them), quantize if asked, add the metadata, write atomically."""
-    for proto in function_protos(opset):
+    # the other reweighting functions' bodies only where the graph uses them (MultiMax files stay as they were)
+    used = {n.op_type for n in program.model.graph.all_nodes() if n.domain == ONNX_DOMAIN}
+    for proto in [*function_protos(opset), *reweighting_function_protos(opset, used & set(reweighting_op_types()))]:
         fn = ir.serde.deserialize_function(proto)
         program.model.functions[fn.identifier()] = fn
     program.model.opset_imports[ONNX_DOMAIN] = 1

@@ -28,6 +28,7 @@ from export.tasks import export_task
 from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
 from models.checkpoint import load
+from models.onnx_contract import attention_function
 from plugins.trt_plugin import tensorrt_unavailable
 
 MIN_OPSET = 18
@@ -133,6 +134,7 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         "arch": ckpt.arch,
         "precision": precision,
         "multimax_places": [p for p in ("attention", "output") if ckpt.config.get(f"multimax_{p}")],
+        "attention_function": attention_function(ckpt.config),  # models.reweighting's name
         "inlined": options.inline,
         "export_seconds": round(phases.times[label], 2),
         "torch_threads": torch.get_num_threads(),

@@ -12,12 +12,16 @@ from export.tasks import export_task
 def multimax_line(report: dict) -> str:
     """What the graph holds, said plainly (a model without MultiMax says so)."""
     g, places = report["graph"], report["multimax_places"]
-    if not places:
+    function = report.get("attention_function")
+    if function in (None, "multimax", "softmax"):
+        function = None  # MultiMax's own places say it
+    if not places and function is None:
         return "no MultiMax in this model (softmax only)"
-    where = " + ".join(places)
+    where = " + ".join([*([f"attention: {function}"] if function else []), *places])
     if report["inlined"]:
-        return f"MultiMax ({where}) inlined as elementwise ops (--inline)"
-    return f"{g['multimax_nodes']} MultiMax nodes ({where}): {', '.join(g['custom_nodes'])}"
+        return f"{'MultiMax' if not function else 'custom ops'} ({where}) inlined as elementwise ops (--inline)"
+    kind = "MultiMax" if not function else "custom"
+    return f"{g['multimax_nodes']} {kind} nodes ({where}): {', '.join(g['custom_nodes'])}"
 
 
 def verdict(report: dict) -> str:

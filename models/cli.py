@@ -21,6 +21,7 @@ from models import deit, registry
 from models.describe import describe, format_text
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
+from models.reweighting import FUNCTIONS
 
 PLACES = ("attention", "output")
 
@@ -37,6 +38,37 @@ def parse_places(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown MultiMax place(s) {unknown}; use attention,output or none")
     return places
+
+
+def parse_option(text: str) -> tuple[str, float]:
+    """KEY=NUMBER, e.g. k=4 or eps=0.05."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.strip():
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=NUMBER (e.g. k=4), got {text!r}") from None
+
+
+def add_function_args(p: argparse.ArgumentParser) -> None:
+    """--attention-function and its --attention-option KEY=NUMBER (models.reweighting)."""
+    p.add_argument("--attention-function", choices=list(FUNCTIONS),
+                   help="attention reweighting (default: MultiMax where --multimax has attention, else softmax)")
+    p.add_argument("--attention-option", type=parse_option, action="append", default=[], metavar="KEY=NUMBER",
+                   help="the function's hyperparameter, repeatable: k (topk_softmax), eps and m (length_scaled)")
+
+
+def function_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields the function flags set (none when not given)."""
+    options = dict(args.attention_option or [])
+    if options and not args.attention_function:
+        raise UsageError("--attention-option needs --attention-function")
+    out: dict[str, Any] = {}
+    if args.attention_function:
+        out["attention_function"] = args.attention_function
+        out["attention_options"] = options or None
+    return out
 
 
 def add_load_hints(p: argparse.ArgumentParser) -> None:
@@ -77,7 +109,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     arch = registry.for_preset(args.preset)
     if arch is None:
         raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(registry.all_presets())}")
-    overrides = common | {k: v for k in arch.init_options if (v := getattr(args, k))}
+    overrides = common | {k: v for k in arch.init_options if (v := getattr(args, k))} | function_overrides(args)
     config = arch.preset_config(args.preset, **overrides)
     model = arch.model(config)
     if args.params == "paper":
@@ -86,7 +118,9 @@ def cmd_init(args: argparse.Namespace) -> int:
                               meta={"init": args.params, "seed": args.seed}, **arch.new_checkpoint_fields())
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, MultiMax {args.params} params)")
+    fn = config.attention_function
+    what = f"MultiMax {args.params} params" if config.multimax_attention or config.multimax_output else "no MultiMax"
+    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, {what}{f', attention {fn}' if fn else ''})")
     return 0
 
 
@@ -106,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | attention | none")
     p.add_argument("--params", choices=("paper", "random"), default="paper", help="MultiMax parameters")
     p.add_argument("--variant", choices=VARIANTS, default="second")
+    add_function_args(p)
     p.add_argument("--num-classes", type=int, help="DeiT classifier size (default 1000)")
     p.add_argument("--pool", choices=("avg", "token"), help="DeiT pooling (default avg, as the official code)")
     p.add_argument("--seed", type=int, default=0)

@@ -20,6 +20,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from models.attention_function import config_dict, make_attention_function, normalise_config
 from models.loading import CheckpointError, check_keys, load_exact, strip_prefixes
 from models.multimax import (
     PAPER_TABLE_7,
@@ -62,8 +63,12 @@ class DeiTConfig:
     multimax_attention: bool = True
     multimax_output: bool = True
     variant: Variant = "second"  # models.multimax.VARIANTS
+    # Another reweighting for attention (models.reweighting: sparsemax, entmax15, ...; None: as multimax_attention)
+    attention_function: str | None = None
+    attention_options: dict[str, float] | None = None  # its hyperparameters (top-k's k; length-scaled eps, m)
 
     def __post_init__(self) -> None:
+        normalise_config(self)
         for name in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"DeiTConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -97,7 +102,7 @@ class DeiTConfig:
         return cls.from_dict({**DEIT_PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return config_dict(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeiTConfig:
@@ -159,17 +164,28 @@ class Attention(nn.Module):
         self.order = 2 if config.variant == "second" else 1
         if self.multimax:
             _add_multimax_params(self, affine=config.variant == "v2")
+        self.reweight = make_attention_function(config.attention_function, config.num_heads, config.attention_options)
+
+    def scores_and_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Scaled scores (B, H, N, N) and values (B, H, N, D) of the tokens x (B, N, C)."""
+        B, N, _ = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, H, N, D)
+        return (q @ k.transpose(-2, -1)) * self.scale, v
+
+    def probs(self, scores: Tensor) -> Tensor:
+        """The reweighting step: the configured function, else MultiMax (modulate, softmax) or softmax."""
+        if self.reweight is not None:
+            return self.reweight(scores)
+        return attention_probs(scores, self if self.multimax else None)
 
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (B, H, N, D)
-        scores = (q @ k.transpose(-2, -1)) * self.scale
-        probs = attention_probs(scores, self if self.multimax else None)  # modulate, softmax
-        return self.proj((probs @ v).transpose(1, 2).reshape(B, N, C))
+        scores, v = self.scores_and_values(x)
+        return self.proj((self.probs(scores) @ v).transpose(1, 2).reshape(B, N, C))
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, multimax={self.multimax}, variant={self.variant}"
+        return f"heads={self.num_heads}, multimax={self.multimax}, variant={self.variant}"  # reweight: a child
 
 
 class Mlp(nn.Module):

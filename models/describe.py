@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from models import deit, gpt, registry
+from models.attention_function import function_name
 from models.checkpoint import Checkpoint, config_of
 
 ORDER_NAMES = {"second": "second order", "first": "first order", "v2": "V2: affine t*x+b, then first order"}
@@ -38,6 +39,8 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
             "output": config.multimax_output,
             "variant": config.variant,
         },
+        # the attention reweighting (models.reweighting): multimax, softmax or one of the others
+        "attention": {"function": function_name(config), "options": config.attention_options or {}},
         "heads_from": info.get("heads_from", "config"),
         "parameters": sum(p.numel() for p in model.parameters()),
         "labels": ckpt.labels,
@@ -70,6 +73,7 @@ def format_text(d: dict[str, Any]) -> str:
         ("sizes", sizes),
         ("heads from", d["heads_from"]),
         ("multimax", multimax),
+        ("attention", _function_text(d["attention"])),
         ("parameters", f"{d['parameters']:,} ({d['parameters'] / 1e6:.2f}M)"),
         ("labels", label_text),
     ]
@@ -83,6 +87,11 @@ def format_text(d: dict[str, Any]) -> str:
         rows.append(("metrics", ", ".join(f"{k} {_value(v)}" for k, v in metrics.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _function_text(attention: dict[str, Any]) -> str:
+    options = ", ".join(f"{k}={_value(v)}" for k, v in attention["options"].items())
+    return attention["function"] + (f" ({options})" if options else "")
 
 
 def _value(v: object) -> str:

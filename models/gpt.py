@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention_function import config_dict, make_attention_function, normalise_config
 from .loading import CheckpointError, load_exact, strip_prefixes
 from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, Variant, attention_probs, paper_params
 
@@ -39,8 +40,12 @@ class GPTConfig:
     multimax_output: bool = True
     variant: Variant = "second"  # one of models.multimax.VARIANTS
     dropout: float = 0.0
+    # Another reweighting for attention (models.reweighting: sparsemax, entmax15, ...; None: as multimax_attention)
+    attention_function: str | None = None
+    attention_options: dict[str, float] | None = None  # its hyperparameters (top-k's k; length-scaled eps, m)
 
     def __post_init__(self) -> None:
+        normalise_config(self)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -60,7 +65,7 @@ class GPTConfig:
         return cls.from_dict({**GPT_PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return config_dict(asdict(self))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
@@ -134,6 +139,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.multimax = Modulation(config.variant) if config.multimax_attention else None
+        self.reweight = make_attention_function(config.attention_function, config.n_head, config.attention_options)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -145,7 +151,10 @@ class CausalSelfAttention(nn.Module):
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         scores = (q @ k.transpose(-2, -1)) * self.scale
-        probs = self.attn_dropout(attention_probs(scores, self.multimax, mask))  # modulate, mask, softmax
+        if self.reweight is not None:
+            probs = self.attn_dropout(self.reweight(scores, mask))
+        else:
+            probs = self.attn_dropout(attention_probs(scores, self.multimax, mask))  # modulate, mask, softmax
         y = (probs @ v).transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y)), (k, v)
 

@@ -49,8 +49,11 @@ def sparsemax_fn() -> Reweighting:
     return phi
 
 
-def multimodality(x: torch.Tensor, phi: Reweighting, eps: float) -> torch.Tensor:
-    """Definition 3.2: M(x) = 1 - mean over eps < x_n < x_max of (phi(x)_max - phi(x)_n)."""
+def multimodality(x: torch.Tensor, phi: Reweighting, eps: float | torch.Tensor) -> torch.Tensor:
+    """Definition 3.2: M(x) = 1 - mean over eps < x_n < x_max of (phi(x)_max - phi(x)_n).
+
+    `eps` may be a tensor (..., 1): one threshold per row (e.g. the row mean of attention scores).
+    """
     p = phi(x)
     x_max, idx = x.max(dim=-1, keepdim=True)
     p_max = p.gather(-1, idx)
@@ -61,7 +64,9 @@ def multimodality(x: torch.Tensor, phi: Reweighting, eps: float) -> torch.Tensor
     return torch.where(count > 0, 1 - mean_gap, torch.full_like(mean_gap, float("nan")))
 
 
-def sparsity(x: torch.Tensor, phi: Reweighting, eps: float, s: torch.Tensor | float | None = None) -> torch.Tensor:
+def sparsity(
+    x: torch.Tensor, phi: Reweighting, eps: float | torch.Tensor, s: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Definition 3.3: S(x) = mean over x_l < eps of exp((s - phi(x)_l)/s - 1).
 
     `s` is the reference value in [0, 1]; by default the paper's suggestion, the smallest

@@ -234,8 +234,14 @@ def onnx_export_params(model: nn.Module) -> Iterator[list[nn.Module]]:
         # in the instance dict (not a module attribute): read by _export_attrs while tracing
         vars(m)["_onnx_params"] = ([float(v) for v in ranges.detach().tolist()],
                                    [float(v) for v in ts.detach().tolist()])
+    # the other reweighting functions (models.attention_function) freeze their node attributes the same way
+    others = [m for m in model.modules() if callable(getattr(m, "onnx_attrs", None))]
+    for m in others:
+        vars(m)["_onnx_attrs"] = m.onnx_attrs()  # type: ignore[operator]
     try:
         yield owners
     finally:
         for m in owners:
             vars(m).pop("_onnx_params", None)
+        for m in others:
+            vars(m).pop("_onnx_attrs", None)

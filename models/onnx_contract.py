@@ -43,6 +43,46 @@ ONNX_DOMAIN = "multimax"
 # TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
 # read the attribute, and `plugin_namespace` names the plugin's namespace for parsers that look it up.
 PLUGIN_VERSION = "1"
+# The other reweighting functions (issue 15, models.reweighting; contract: docs/REWEIGHTING.md): config name ->
+# masked op type; each also has `<op>NoMask` with input (x) only. Every op reduces over the last axis in fp32.
+REWEIGHTING_OPS: dict[str, str] = {
+    "sparsemax": "SparseMax",
+    "entmax15": "EntMax15",
+    "evsoftmax": "EvSoftMax",
+    "topk_softmax": "TopKSoftMax",
+    "gaussian": "GaussianAttention",
+    "laplacian": "LaplacianAttention",
+    "length_scaled": "LengthScaledSoftMax",
+}
+# Node attributes per op (besides plugin_name/_version/_namespace): k int; offset, scale floats (length 1 or H);
+# eps, m float (m = 0: m = sqrt(l)).
+REWEIGHTING_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "SparseMax": (),
+    "EntMax15": (),
+    "EvSoftMax": (),
+    "TopKSoftMax": ("k",),
+    "GaussianAttention": ("offset", "scale"),
+    "LaplacianAttention": ("offset", "scale"),
+    "LengthScaledSoftMax": ("eps", "m"),
+}
+# An entry is masked iff its additive mask is <= this (any such bias already gives softmax weight 0 in fp32).
+MASKED_BELOW = -1e4
+# Which reweighting function a model uses: stored in its config (`attention_function`; absent: MultiMax where
+# `multimax_attention`, else softmax).
+ATTENTION_FUNCTION = "attention_function"
+
+
+def reweighting_op_types() -> tuple[str, ...]:
+    """Every op type of the other reweighting functions, masked and NoMask."""
+    return tuple(t for op in REWEIGHTING_OPS.values() for t in (op, op + "NoMask"))
+
+
+def attention_function(config: Mapping[str, Any]) -> str:
+    """The attention reweighting a config dict (a checkpoint's or a file's metadata) uses."""
+    name = config.get(ATTENTION_FUNCTION)
+    if name:
+        return str(name)
+    return "multimax" if config.get("multimax_attention", True) else "softmax"
 
 
 def past_names(n_layer: int) -> list[tuple[str, str]]:

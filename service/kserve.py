@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES
+from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
@@ -142,6 +142,7 @@ async def model_metadata(name: str, request: Request, version: str | None = None
     fused = rt.entry.backend.describe().get("fused_multimax")  # ONNX Runtime: the CPU ops' state, as /v1/models
     if fused is not None:
         body["fused_multimax"] = fused  # an extension field; V2 clients ignore what they do not know
+    body["attention_function"] = attention_function(rt.entry.config)  # extension, as in /v1/models
     return _json(body)
 
 

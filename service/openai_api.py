@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
+from models.onnx_contract import attention_function
 from service import choices
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
@@ -51,6 +52,10 @@ class ModelCard(BaseModel):
     fused_multimax: dict[str, Any] | None = None
     version: str = "1"  # the version that serves requests naming this model (its latest loaded)
     versions: list[str] = Field(default_factory=lambda: ["1"])  # every loaded version (KServe V2 routes reach each)
+    # The attention reweighting the model uses (models.reweighting: multimax, softmax, sparsemax, ...), from its
+    # config (the ONNX file's metadata), and that function's options (top-k's k, ...).
+    attention_function: str | None = None
+    attention_options: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -130,7 +135,9 @@ def model_card(rt: ModelRuntime, versions: list[int]) -> ModelCard:
     return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
                      provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels,
                      fused_multimax=entry.backend.describe().get("fused_multimax"), version=str(entry.version),
-                     versions=[str(v) for v in versions])
+                     versions=[str(v) for v in versions],
+                     attention_function=attention_function(entry.config),
+                     attention_options=entry.config.get("attention_options"))
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")

@@ -131,7 +131,8 @@ async def test_versions_are_served_by_the_v2_routes_and_the_latest_is_the_defaul
         for path in ("/v2/models/digits/versions/3/infer", "/v2/models/digits/versions/x/infer",
                      "/v2/models/text/versions/2/infer"):
             r = await client.post(path, json=INFER)
-            assert r.status_code == 404 and set(r.json()) == {"error", "request_id"} and "has no version" in r.json()["error"]
+            assert r.status_code == 404 and set(r.json()) == {"error", "request_id"}
+            assert "has no version" in r.json()["error"]
         for path in ("/v2/models/digits/versions/1/ready", "/v2/models/digits/versions/1"):
             assert (await client.get(path)).status_code == 200
         assert (await client.get("/v2/models/digits/versions/9/ready")).status_code == 404

@@ -1,4 +1,5 @@
-"""`python -m models.training`: train the demo models, run the demo, plot learned MultiMax modulations.
+"""`python -m models.training`: train the demo models, run the demo, plot learned MultiMax modulations, compare
+reweighting functions.
 
 Errors behave as in `python -m models`: one line on stderr and exit code 2, nothing written unless the
 command finished.
@@ -13,14 +14,26 @@ from pathlib import Path
 import torch
 
 from models import checkpoint as ckpt_io
-from models.cli import PLACES, UsageError, add_load_hints, load_hints, parse_places, run
+from models.cli import (
+    PLACES,
+    UsageError,
+    add_function_args,
+    add_load_hints,
+    function_overrides,
+    load_hints,
+    parse_places,
+    run,
+)
 from models.demo import DEMO_DIR
 from models.training.demo import build_demos, run_demo, text_checkpoint, vision_checkpoint
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
+    functions = function_overrides(args)
     if args.task == "demos":
+        if functions:
+            raise UsageError("train demos trains the shipped MultiMax/softmax models; use train vision|text for others")
         kinds = (args.only,) if args.only else ("vision", "text")
         report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet, kinds=kinds)
         print(json.dumps(report, indent=2))
@@ -31,13 +44,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         from models.training.vision import train_vision
 
         kwargs = {"epochs": args.epochs} if args.epochs else {}
-        result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
+        result = train_vision(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **functions, **kwargs)
         ckpt = vision_checkpoint(result)
     else:
         from models.training.text import train_text
 
         kwargs = {"steps": args.steps} if args.steps else {}
-        result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **kwargs)
+        result = train_text(multimax=args.multimax, seed=args.seed, progress=not args.quiet, **functions, **kwargs)
         ckpt = text_checkpoint(result)
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     print(json.dumps({"checkpoint": str(out), **ckpt.meta}, indent=2))
@@ -56,6 +69,35 @@ def cmd_plot_sigma(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from models.training.compare import ALL, compare, table
+
+    results = Path(args.output)
+    if args.table:
+        if not results.is_file():
+            raise UsageError(f"{results}: no results yet (run compare first)")
+        print(table(json.loads(results.read_text())))
+        return 0
+    names = [n.strip() for n in args.functions.split(",") if n.strip()] if args.functions else list(ALL)
+    checkpoints = Path(args.checkpoints) if args.checkpoints else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        data = compare(names, results, epochs=args.epochs, seed=args.seed, checkpoints=checkpoints,
+                       progress=not args.quiet, retrain_twins=args.retrain_twins)
+    finally:
+        torch.set_num_threads(threads)  # called in-process (tests): leave the caller's setting
+    print(table(data))
+    return 0
+
+
+def cmd_plot_simplex(args: argparse.Namespace) -> int:
+    from models.training.simplex_plot import plot_simplex
+
+    print(f"wrote {plot_simplex(args.output)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), rebuild=args.rebuild)
 
@@ -68,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", choices=("vision", "text", "demos"), help="demos = all three demo models")
     p.add_argument("-o", "--output", help="checkpoint file (a directory for 'demos')")
     p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | none (softmax twin)")
+    add_function_args(p)
     p.add_argument("--epochs", type=int, help="vision epochs")
     p.add_argument("--steps", type=int, help="text optimisation steps")
     p.add_argument("--seed", type=int, default=0)
@@ -81,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="sigma.png")
     add_load_hints(p)
     p.set_defaults(func=cmd_plot_sigma)
+
+    p = sub.add_parser("compare", help="train the digits demo with every attention reweighting function")
+    p.add_argument("-o", "--output", default="docs/reweighting_results.json", help="results JSON (resumed)")
+    p.add_argument("--functions", help="comma-separated subset (default: all, in the table's order)")
+    p.add_argument("--epochs", type=int, help="budget (default: the shipped twins' 120)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the shipped twins)")
+    p.add_argument("--checkpoints", help="also save each trained model into this directory")
+    p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")
+    p.add_argument("--retrain-twins", action="store_true",
+                   help="train the MultiMax/softmax twins here too (timed like the others), not read the shipped ones")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plot-simplex", help="every reweighting function on the same inputs (paper Figure 1)")
+    p.add_argument("-o", "--output", default="docs/reweighting_simplex.png")
+    p.set_defaults(func=cmd_plot_simplex)
 
     p = sub.add_parser("demo", help="classify held-out digits and generate text with the demo models")
     p.add_argument("--dir", default=str(DEMO_DIR), help="where the demo checkpoints live")

@@ -30,7 +30,10 @@ DIGITS_PREPROCESS: dict[str, Any] = {
 }
 
 
-def demo_config(multimax: tuple[str, ...]) -> DeiTConfig:
+def demo_config(
+    multimax: tuple[str, ...], attention_function: str | None = None, attention_options: dict[str, Any] | None = None
+) -> DeiTConfig:
+    """The digits DeiT; `attention_function` (models.reweighting) replaces its attention step's MultiMax/softmax."""
     return DeiTConfig(
         img_size=IMAGE_SIZE,
         patch_size=8,
@@ -44,6 +47,8 @@ def demo_config(multimax: tuple[str, ...]) -> DeiTConfig:
         pool="avg",
         multimax_attention="attention" in multimax,
         multimax_output="output" in multimax,
+        attention_function=attention_function,
+        attention_options=attention_options,
     )
 
 
@@ -126,12 +131,14 @@ def train_vision(
     weight_decay: float = 0.05,
     seed: int = 0,
     progress: bool = True,
+    attention_function: str | None = None,
+    attention_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train from scratch; returns config, weights, labels, preprocessing and held-out metrics."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     x_train, y_train, x_test, y_test = digits_8x8_split(seed)
-    config = demo_config(multimax)
+    config = demo_config(multimax, attention_function, attention_options)
     model = DeiT(config)
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999))
     steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
@@ -139,7 +146,8 @@ def train_vision(
     # Five warm-up epochs (fewer for the short runs the tests do: a quarter of them, at least one).
     scheduler = warmup_cosine(optimizer, warmup=min(5, max(1, epochs // 4)) * steps_per_epoch, total=total)
     start = time.perf_counter()
-    bar = tqdm(total=total, desc=f"digits {'+'.join(multimax) or 'softmax'}", disable=not progress, unit="step")
+    what = attention_function or "+".join(multimax) or "softmax"
+    bar = tqdm(total=total, desc=f"digits {what}", disable=not progress, unit="step")
     loss_value = float("nan")
     for _ in range(epochs):
         model.train()

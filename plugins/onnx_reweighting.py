@@ -1,0 +1,234 @@
+"""ONNX function bodies of the other reweighting ops (models.reweighting; contract: docs/REWEIGHTING.md).
+
+One FunctionProto per op type of models.onnx_contract.REWEIGHTING_OPS, masked `<Op>(x, mask)` and
+`<Op>NoMask(x)`, in standard ONNX ops only, so onnxruntime (or any runtime) without a fused kernel inlines
+them. The node's attributes reach the body through attribute references (`ref_attr_name`). Each reduces over
+the last axis in float32 and follows the contract's masking rule: masked iff mask <= -1e4, masked entries 0,
+a one-entry row exactly 1, an empty row uniform.
+
+SparseMax and EntMax-1.5 are the exact sort-based algorithms: a full-length TopK sorts each row, CumSum gives
+the prefix sums, the support size is a ReduceSum over a comparison and GatherElements reads tau at it: the
+cheapest exact standard-op graph (no loop, no bisection). The others are softmax over a subset or of
+transformed scores.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+from models.onnx_contract import MASKED_BELOW, ONNX_DOMAIN, REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
+
+PLUGIN_ATTRIBUTES = ("plugin_name", "plugin_version", "plugin_namespace")
+_REF_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
+              "eps": AttributeProto.FLOAT, "m": AttributeProto.FLOAT}  # fmt: skip
+_REF_VALUE = {
+    AttributeProto.INT: "value_int", AttributeProto.FLOATS: "value_floats", AttributeProto.FLOAT: "value_float"
+}
+
+
+class _Body:
+    """Node-by-node builder of one function body; every op returns its (fresh) output name."""
+
+    def __init__(self, masked: bool) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.masked = masked
+        self._names = itertools.count()
+
+    def op(self, op_type: str, *inputs: str, **attrs: Any) -> str:
+        out = f"t{next(self._names)}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def const(self, value: float | int | list[int]) -> str:
+        if isinstance(value, list):
+            return self.op("Constant", value_ints=value)
+        if isinstance(value, int):
+            return self.op("Constant", value_int=value)
+        return self.op("Constant", value_float=float(value))
+
+    def attr(self, name: str) -> str:
+        """A Constant holding the calling node's attribute `name`."""
+        out = f"t{next(self._names)}"
+        node = helper.make_node("Constant", [], [out])
+        kind = _REF_TYPES[name]
+        node.attribute.append(AttributeProto(name=_REF_VALUE[kind], ref_attr_name=name, type=kind))
+        self.nodes.append(node)
+        return out
+
+    # ---- shared pieces ----------------------------------------------------------------------------------
+
+    def reduce(self, op_type: str, x: str) -> str:
+        return self.op(op_type, x, self.const([-1]), keepdims=1)
+
+    def prologue(self) -> tuple[str, str | None, str | None]:
+        """(y, keep, count): y = x + mask with masked entries 0; keep (bool) and the unmasked count (float)."""
+        if not self.masked:
+            return "x", None, None
+        y = self.op("Add", "x", "mask")
+        keep = self.op("Expand", self.op("Greater", "mask", self.const(MASKED_BELOW)), self.op("Shape", y))
+        y = self.op("Where", keep, y, self.const(0.0))
+        count = self.reduce("ReduceSum", self.op("Cast", keep, to=TensorProto.FLOAT))
+        return y, keep, count
+
+    def row_size(self, x: str) -> str:
+        """The row length as a float scalar-ish (1-D of 1)."""
+        return self.op("Cast", self.op("Shape", x, start=-1), to=TensorProto.FLOAT)
+
+    def row_max(self, y: str, keep: str | None) -> str:
+        return self.reduce("ReduceMax", y if keep is None else self.op("Where", keep, y, self.const(float("-inf"))))
+
+    def row_mean(self, y: str, keep: str | None, count: str | None) -> str:
+        if keep is None or count is None:
+            return self.reduce("ReduceMean", y)
+        return self.op("Div", self.reduce("ReduceSum", y), self.op("Max", count, self.const(1.0)))
+
+    def softmax_over(self, z: str, kept: str | None) -> str:
+        """softmax of z over `kept` (all entries when None)."""
+        if kept is not None:
+            z = self.op("Where", kept, z, self.const(float("-inf")))
+        return self.op("Softmax", z, axis=-1)
+
+    def finish(self, p: str, keep: str | None, count: str | None) -> str:
+        """Masked entries 0, a one-entry row its keep pattern (exactly 1), an empty row uniform."""
+        if keep is None or count is None:
+            return p
+        p = self.op("Where", keep, p, self.const(0.0))
+        p = self.op("Where", self.op("Equal", count, self.const(1.0)), self.op("Cast", keep, to=TensorProto.FLOAT), p)
+        uniform = self.op("Reciprocal", self.row_size("x"))
+        return self.op("Where", self.op("Equal", count, self.const(0.0)), uniform, p)
+
+    def head_param(self, name: str) -> str:
+        """Attribute `name` (length 1 or H) reshaped to [1, len, 1, ...] so it runs along axis 1 of x."""
+        p = self.attr(name)
+        rank = self.op("Size", self.op("Shape", "x"))
+        axes = self.op("Range", self.const(0), rank, self.const(1))
+        length = self.op("Size", p)
+        target = self.op("Where", self.op("Equal", axes, self.const(1)), length, self.const(1))
+        return self.op("Reshape", p, target)
+
+    def sorted_desc(self, z: str) -> tuple[str, str]:
+        """(z sorted descending along the last axis, ranks 1..n as floats)."""
+        n = self.op("Shape", z, start=-1)
+        zs = f"t{next(self._names)}"
+        self.nodes.append(helper.make_node("TopK", [z, n], [zs, f"t{next(self._names)}"], axis=-1, largest=1, sorted=1))
+        n_scalar = self.op("Squeeze", n, self.const([0]))
+        ranks = self.op("Range", self.const(1), self.op("Add", n_scalar, self.const(1)), self.const(1))
+        return zs, self.op("Cast", ranks, to=TensorProto.FLOAT)
+
+    def fill_out_of_support(self, y: str, keep: str | None, margin: float) -> str:
+        """Masked entries moved 2*margin below the row max: outside any sparse support (p_max <= 1 bounds tau)."""
+        if keep is None:
+            return y
+        low = self.op("Sub", self.row_max(y, keep), self.const(2 * margin))
+        return self.op("Where", keep, y, low)
+
+
+# ---- the ops ------------------------------------------------------------------------------------------
+
+
+def _sparsemax(b: _Body) -> str:
+    y, keep, count = b.prologue()
+    z = b.fill_out_of_support(y, keep, 1.0)
+    zs, k = b.sorted_desc(z)
+    cs = b.op("CumSum", zs, b.const(-1))
+    support = b.op("Greater", b.op("Add", b.op("Mul", k, zs), b.const(1.0)), cs)  # 1 + k z_(k) > sum_{j<=k} z_(j)
+    ksup = b.reduce("ReduceSum", b.op("Cast", support, to=TensorProto.FLOAT))
+    at = b.op("Cast", b.op("Sub", ksup, b.const(1.0)), to=TensorProto.INT64)
+    tau = b.op("Div", b.op("Sub", b.op("GatherElements", cs, at, axis=-1), b.const(1.0)), ksup)
+    return b.finish(b.op("Relu", b.op("Sub", z, tau)), keep, count)
+
+
+def _entmax15(b: _Body) -> str:
+    y, keep, count = b.prologue()
+    z = b.op("Mul", b.fill_out_of_support(y, keep, 2.0), b.const(0.5))  # z = y/2; masked 2 below max(z)
+    z = b.op("Sub", z, b.reduce("ReduceMax", z))  # tau relative to the max: no cancellation in the squares
+    zs, k = b.sorted_desc(z)
+    mean = b.op("Div", b.op("CumSum", zs, b.const(-1)), k)
+    meansq = b.op("Div", b.op("CumSum", b.op("Mul", zs, zs), b.const(-1)), k)
+    ss = b.op("Mul", k, b.op("Sub", meansq, b.op("Mul", mean, mean)))
+    delta = b.op("Div", b.op("Sub", b.const(1.0), ss), k)
+    tau_k = b.op("Sub", mean, b.op("Sqrt", b.op("Relu", delta)))
+    ksup = b.reduce("ReduceSum", b.op("Cast", b.op("LessOrEqual", tau_k, zs), to=TensorProto.FLOAT))
+    at = b.op("Cast", b.op("Sub", ksup, b.const(1.0)), to=TensorProto.INT64)
+    tau = b.op("GatherElements", tau_k, at, axis=-1)
+    d = b.op("Relu", b.op("Sub", z, tau))
+    return b.finish(b.op("Mul", d, d), keep, count)
+
+
+def _evsoftmax(b: _Body) -> str:
+    y, keep, count = b.prologue()
+    above = b.op("GreaterOrEqual", y, b.row_mean(y, keep, count))
+    kept = b.op("Or", above, b.op("Equal", y, b.row_max(y, keep)))  # the max is >= the mean even if it rounds
+    if keep is not None:
+        kept = b.op("And", kept, keep)
+    return b.finish(b.softmax_over(y, kept), keep, count)
+
+
+def _topk_softmax(b: _Body) -> str:
+    y, keep, count = b.prologue()
+    filled = y if keep is None else b.op("Where", keep, y, b.const(float("-inf")))
+    n = b.op("Shape", y, start=-1)
+    kk = b.op("Min", b.op("Reshape", b.attr("k"), b.const([1])), n)
+    values = f"t{next(b._names)}"
+    b.nodes.append(helper.make_node("TopK", [filled, kk], [values, f"t{next(b._names)}"], axis=-1, largest=1))
+    t = b.op("Gather", values, b.op("Sub", kk, b.const([1])), axis=-1)  # the k-th largest (-inf if |U| < k)
+    kept = b.op("GreaterOrEqual", y, t)  # ties at t all kept
+    if keep is not None:
+        kept = b.op("And", kept, keep)
+    return b.finish(b.softmax_over(y, kept), keep, count)
+
+
+def _adaptive(b: _Body, laplacian: bool) -> str:
+    y, keep, count = b.prologue()
+    mu = b.op("Add", b.row_mean(y, keep, count), b.head_param("offset"))
+    d = b.op("Sub", y, mu)
+    s = b.head_param("scale")
+    if laplacian:
+        z = b.op("Neg", b.op("Div", b.op("Abs", d), s))
+    else:
+        z = b.op("Neg", b.op("Div", b.op("Mul", d, d), b.op("Mul", b.const(2.0), b.op("Mul", s, s))))
+    return b.finish(b.softmax_over(z, keep), keep, count)
+
+
+def _length_scaled(b: _Body) -> str:
+    y, keep, count = b.prologue()
+    length = b.op("Max", count if count is not None else b.row_size("x"), b.const(1.0))
+    eps, m = b.attr("eps"), b.attr("m")
+    mm = b.op("Where", b.op("Equal", m, b.const(0.0)), b.op("Sqrt", length), m)
+    ratio = b.op("Div", b.op("Mul", b.op("Sub", b.const(1.0), eps), b.op("Sub", length, mm)), b.op("Mul", eps, mm))
+    k = b.op("Mul", b.const(0.5), b.op("Log", b.op("Max", ratio, b.const(1.0))))
+    return b.finish(b.softmax_over(b.op("Mul", k, y), keep), keep, count)
+
+
+_BODIES = {
+    "SparseMax": _sparsemax,
+    "EntMax15": _entmax15,
+    "EvSoftMax": _evsoftmax,
+    "TopKSoftMax": _topk_softmax,
+    "GaussianAttention": lambda b: _adaptive(b, laplacian=False),
+    "LaplacianAttention": lambda b: _adaptive(b, laplacian=True),
+    "LengthScaledSoftMax": _length_scaled,
+}
+
+
+def reweighting_function_protos(opset: int, ops: set[str] | None = None) -> list[onnx.FunctionProto]:
+    """The bodies of `ops` (op types, masked and NoMask; default all), against the model's default-domain opset."""
+    out = []
+    for op in REWEIGHTING_OPS.values():
+        for masked in (True, False):
+            name = op if masked else op + "NoMask"
+            if ops is not None and name not in ops:
+                continue
+            b = _Body(masked)
+            result = _BODIES[op](b)
+            b.nodes.append(helper.make_node("Identity", [result], ["y"]))
+            attributes = [*REWEIGHTING_ATTRIBUTES[op], *PLUGIN_ATTRIBUTES]
+            inputs = ["x", "mask"] if masked else ["x"]
+            out.append(helper.make_function(
+                ONNX_DOMAIN, name, inputs, ["y"], b.nodes, [helper.make_opsetid("", opset)], attributes=attributes
+            ))  # fmt: skip
+    return out
