@@ -1,6 +1,9 @@
 // onnxruntime custom-op library: the `multimax` domain's MultiMax(x, mask), MultiMaxNoMask(x) and
 // MultiMaxSigma(x) as fused CPU kernels, with the semantics of their ONNX function bodies
 // (export/onnx_functions.py): sigma, then the mask (numpy broadcasting), then Softmax over the last axis.
+// Also the other reweighting functions of issue 15 (SparseMax, EntMax15, EvSoftMax, TopKSoftMax,
+// GaussianAttention, LaplacianAttention, LengthScaledSoftMax, each masked and NoMask) with the contract's
+// masking rule (docs/REWEIGHTING.md; bodies in plugins/onnx_reweighting.py): row kernels in reweight.inc.
 //
 // Written against the C API only (onnxruntime_c_api.h): no exception crosses the C boundary, every
 // failure is an OrtStatus. The library does not link against onnxruntime; RegisterCustomOps asks the
@@ -13,10 +16,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "rows.h"
@@ -159,6 +165,28 @@ std::vector<int64_t> broadcast_strides(const std::vector<int64_t>& shape, const 
   return strides;
 }
 
+// ---- the kernels' settings --------------------------------------------------------------------
+
+enum class Op { kMasked, kNoMask, kSigma };
+
+struct Kernel {
+  Op op;
+  Sigma params;  // MultiMax
+  const RowKernels* rows;
+  bool reweight = false;  // one of the issue-15 functions (rw.fn), not MultiMax
+  Reweight rw{};
+  std::vector<float> offset, scale;  // Gaussian/Laplacian: 1 value, or one per head (axis 1 of rank-4 x)
+
+  size_t heads() const { return std::max(offset.size(), scale.size()); }
+  // This row's parameters: the per-head ones picked by the row's index along axis 1.
+  Reweight row(int64_t head) const {
+    Reweight p = rw;
+    if (!offset.empty()) p.offset = offset[offset.size() > 1 ? head : 0];
+    if (!scale.empty()) p.scale = scale[scale.size() > 1 ? head : 0];
+    return p;
+  }
+};
+
 // ---- parallel rows ---------------------------------------------------------------------------
 
 // Work per task: enough elements (~16k, tens of microseconds) that the pool's dispatch cost vanishes.
@@ -167,6 +195,7 @@ constexpr int64_t kElementsPerTask = 1 << 14;
 struct Job {
   const RowKernels* k;
   const Sigma* p;
+  const Kernel* rw;  // a reweighting op's kernel (its function and per-head parameters), else null
   int64_t rows, n, rows_per_task;
   // Softmax ops: x/mask rows found through broadcast strides over the output's leading dimensions.
   const float* x;
@@ -190,12 +219,16 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
     mo += idx[d] * j.m_strides[d];
   }
   std::vector<float> xbuf, mbuf;  // only for rows broadcast along the softmax axis
+  std::vector<float> scratch(j.rw ? j.n : 0);  // the reweighting rows' sort/selection candidates
   for (int64_t r = begin; r < end; ++r) {
     const float* x = j.x + xo;
     const float* m = j.mask ? j.mask + mo : nullptr;
     if (j.x_last == 0) xbuf.assign(j.n, *x), x = xbuf.data();
     if (m && j.m_last == 0) mbuf.assign(j.n, *m), m = mbuf.data();
-    j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
+    if (j.rw)  // per-head parameters: rank-4 output (checked), the head is the index along axis 1
+      j.k->reweight_row(j.rw->row(dims == 3 ? idx[1] : 0), x, m, j.y + r * j.n, j.n, scratch.data());
+    else
+      j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
     for (size_t d = dims; d-- > 0;) {
       xo += j.x_strides[d];
       mo += j.m_strides[d];
@@ -230,14 +263,6 @@ OrtStatus* parallel(OrtKernelContext* ctx, void (*fn)(void*, size_t), int64_t ta
 
 // ---- the kernels -----------------------------------------------------------------------------
 
-enum class Op { kMasked, kNoMask, kSigma };
-
-struct Kernel {
-  Op op;
-  Sigma params;
-  const RowKernels* rows;
-};
-
 OrtStatus* read_floats(const OrtKernelInfo* info, const char* name, float out[4]) {
   size_t size = 0;
   OrtStatus* s = g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size);
@@ -249,8 +274,76 @@ OrtStatus* read_floats(const OrtKernelInfo* info, const char* name, float out[4]
   return g_api->KernelInfoGetAttributeArray_float(info, name, out, &size);
 }
 
-OrtStatus* create_kernel(Op op, const OrtKernelInfo* info, void** out) {
+// The reweighting ops' attributes (models.onnx_contract.REWEIGHTING_ATTRIBUTES), checked here so that a bad
+// value fails session creation with a clear status rather than giving NaN rows.
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, int64_t* v) {
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, name, v))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (int) is missing");
+  return nullptr;
+}
+
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, float* v) {
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_float(info, name, v))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (float) is missing");
+  return nullptr;
+}
+
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, std::vector<float>* v) {
+  size_t size = 0;
+  if (OrtStatus* s = g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (floats) is missing");
+  if (size == 0) return fail(std::string("attribute '") + name + "' is empty (1 value, or one per head)");
+  v->resize(size);
+  return g_api->KernelInfoGetAttributeArray_float(info, name, v->data(), &size);
+}
+
+std::string str(float v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+OrtStatus* create_reweight(Fn fn, const OrtKernelInfo* info, Kernel* k) {
+  k->reweight = true;
+  k->rw.fn = fn;
+  switch (fn) {
+    case Fn::kTopK:
+      MM_RETURN_IF_ERROR(read_attr(info, "k", &k->rw.k));
+      if (k->rw.k < 1) return fail("attribute 'k' must be >= 1, got " + std::to_string(k->rw.k));
+      break;
+    case Fn::kGaussian:
+    case Fn::kLaplacian:
+      MM_RETURN_IF_ERROR(read_attr(info, "offset", &k->offset));
+      MM_RETURN_IF_ERROR(read_attr(info, "scale", &k->scale));
+      if (k->offset.size() > 1 && k->scale.size() > 1 && k->offset.size() != k->scale.size())
+        return fail("attributes 'offset' and 'scale' must hold 1 value or one per head, the same number; got " +
+                    std::to_string(k->offset.size()) + " and " + std::to_string(k->scale.size()));
+      for (float v : k->offset)
+        if (!std::isfinite(v)) return fail("attribute 'offset' must be finite, got " + str(v));
+      for (float v : k->scale)
+        if (!(v > 0.0f) || !std::isfinite(v)) return fail("attribute 'scale' must be > 0 and finite, got " + str(v));
+      break;
+    case Fn::kLengthScaled:
+      MM_RETURN_IF_ERROR(read_attr(info, "eps", &k->rw.eps));
+      MM_RETURN_IF_ERROR(read_attr(info, "m", &k->rw.m));
+      if (!(k->rw.eps > 0.0f && k->rw.eps < 1.0f)) return fail("attribute 'eps' must be in (0, 1), got " + str(k->rw.eps));
+      if (!(k->rw.m >= 0.0f) || !std::isfinite(k->rw.m))
+        return fail("attribute 'm' must be >= 0 (0: the square root of the unmasked length), got " + str(k->rw.m));
+      break;
+    default:
+      break;
+  }
+  return nullptr;
+}
+
+OrtStatus* create_kernel(Op op, int fn, const OrtKernelInfo* info, void** out) {
   Kernel k{op, {}, nullptr};
+  if (fn >= 0) {
+    MM_RETURN_IF_ERROR(create_reweight(static_cast<Fn>(fn), info, &k));
+    MM_RETURN_IF_ERROR(choose_kernels(&k.rows));
+    *out = new (std::nothrow) Kernel(k);
+    return *out ? nullptr : fail("out of memory", ORT_FAIL);
+  }
   MM_RETURN_IF_ERROR(read_floats(info, "ranges", k.params.r));
   MM_RETURN_IF_ERROR(read_floats(info, "ts", k.params.t));
   // `order` is metadata for the body (order-1 nodes carry ts[2:] = 0); an exported value outside 1/2 is corrupt.
@@ -265,6 +358,13 @@ OrtStatus* create_kernel(Op op, const OrtKernelInfo* info, void** out) {
 void count_run(const void* x, const float* y) {
   g_runs.fetch_add(1, std::memory_order_relaxed);
   if (x == y) g_in_place_runs.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::string heads_error(size_t heads, const std::vector<int64_t>& shape) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + (d < 0 ? std::string("?") : std::to_string(d));
+  return "attributes 'offset'/'scale' hold " + std::to_string(heads) + " per-head values: the input must be rank 4 " +
+         "(batch, heads, q, k) with " + std::to_string(heads) + " heads on axis 1, got shape (" + dims + ")";
 }
 
 OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
@@ -286,10 +386,12 @@ OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
       out[d] = xs[d] == 1 ? ms[d] : xs[d];
     }
   }
+  if (k.reweight && k.heads() > 1 && (out.size() != 4 || out[1] != static_cast<int64_t>(k.heads())))
+    return fail(heads_error(k.heads(), out));
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, out, &y));
   count_run(x.data, y);
-  Job j{k.rows, &k.params, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  Job j{k.rows, &k.params, k.reweight ? &k : nullptr, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   if (j.n == 0 || numel(out) == 0) return nullptr;
   j.rows = numel(out) / j.n;
   j.lead.assign(out.begin(), out.end() - 1);
@@ -313,7 +415,7 @@ OrtStatus* compute_sigma(const Kernel& k, OrtKernelContext* ctx) {
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, x.shape, &y));
   count_run(x.data, y);
-  Job j{k.rows, &k.params, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  Job j{k.rows, &k.params, nullptr, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   return parallel(ctx, sigma_task, (j.n + kElementsPerTask - 1) / kElementsPerTask, &j);
 }
 
@@ -360,7 +462,30 @@ Dim broadcast_dim(const Dim& a, const Dim& b) {
   return {-1, ""};
 }
 
-OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeInfo* x) {
+// How many values a float-list attribute holds (0 if absent), read at shape inference.
+size_t attr_floats(OrtShapeInferContext* ctx, const char* name) {
+  const OrtOpAttr* attr = nullptr;
+  if (OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr)) return g_api->ReleaseStatus(s), 0;
+  if (!attr) return 0;
+  size_t bytes = 0;
+  if (OrtStatus* s = g_api->ReadOpAttr(attr, ORT_OP_ATTR_FLOATS, nullptr, 0, &bytes)) g_api->ReleaseStatus(s);
+  return bytes / sizeof(float);
+}
+
+// Per-head Gaussian/Laplacian parameters against the output's known dimensions: a mismatch fails session
+// creation (the kernel checks again at run time, where shapes were unknown here).
+OrtStatus* check_heads(OrtShapeInferContext* ctx, const std::vector<Dim>& out) {
+  const size_t heads = std::max(attr_floats(ctx, "offset"), attr_floats(ctx, "scale"));
+  if (heads <= 1 || out.empty()) return nullptr;
+  if (out.size() != 4 || (out[1].value > 0 && out[1].value != static_cast<int64_t>(heads))) {
+    std::vector<int64_t> shape;
+    for (const Dim& d : out) shape.push_back(d.value);
+    return fail(heads_error(heads, shape));
+  }
+  return nullptr;
+}
+
+OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeInfo* x, bool reweight) {
   OrtTensorTypeAndShapeInfo* mask = nullptr;
   if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 1, &mask)) return g_api->ReleaseStatus(s), nullptr;
   std::vector<Dim> xd, md;
@@ -374,6 +499,7 @@ OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeIn
   std::vector<const char*> names;
   std::vector<Dim> out;
   for (size_t i = 0; i < rank; ++i) out.push_back(broadcast_dim(xd[i], md[i]));
+  if (reweight) MM_RETURN_IF_ERROR(check_heads(ctx, out));
   for (const Dim& d : out) values.push_back(d.value), names.push_back(d.name.c_str());
   OrtTensorTypeAndShapeInfo* info = nullptr;
   MM_RETURN_IF_ERROR(g_api->CreateTensorTypeAndShapeInfo(&info));
@@ -385,21 +511,40 @@ OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeIn
   return s;
 }
 
-OrtStatus* infer_shape(Op op, OrtShapeInferContext* ctx) {
+OrtStatus* infer_shape(Op op, bool reweight, OrtShapeInferContext* ctx) {
   OrtTensorTypeAndShapeInfo* x = nullptr;  // owned by the context
   if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &x)) return g_api->ReleaseStatus(s), nullptr;
-  if (op == Op::kMasked) return infer_masked_shape(ctx, x);
+  if (op == Op::kMasked) return infer_masked_shape(ctx, x, reweight);
   size_t rank = 0;
   MM_RETURN_IF_ERROR(g_api->GetDimensionsCount(x, &rank));
   if (rank == 0) return nullptr;  // rank unknown: infer nothing (MultiMaxSigma of a scalar is a scalar anyway)
+  if (reweight) {
+    std::vector<Dim> xd;
+    MM_RETURN_IF_ERROR(dims_of(x, &xd));
+    MM_RETURN_IF_ERROR(check_heads(ctx, xd));
+  }
   return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, x);
 }
 
 // ---- the OrtCustomOp tables ------------------------------------------------------------------
 
-template <Op kOp>
+// Op types of the reweighting functions, indexed by Fn: {masked, NoMask} (models.onnx_contract.REWEIGHTING_OPS).
+constexpr const char* kReweightNames[][2] = {
+    {"SparseMax", "SparseMaxNoMask"},
+    {"EntMax15", "EntMax15NoMask"},
+    {"EvSoftMax", "EvSoftMaxNoMask"},
+    {"TopKSoftMax", "TopKSoftMaxNoMask"},
+    {"GaussianAttention", "GaussianAttentionNoMask"},
+    {"LaplacianAttention", "LaplacianAttentionNoMask"},
+    {"LengthScaledSoftMax", "LengthScaledSoftMaxNoMask"},
+};
+constexpr int kReweightCount = sizeof(kReweightNames) / sizeof(kReweightNames[0]);
+
+// kFn < 0: MultiMax's op kOp; else the reweighting function Fn(kFn), masked (kMasked) or NoMask.
+template <Op kOp, int kFn = -1>
 struct CustomOp : OrtCustomOp {
   static constexpr const char* name() {
+    if (kFn >= 0) return kReweightNames[kFn][kOp == Op::kMasked ? 0 : 1];
     return kOp == Op::kMasked ? "MultiMax" : kOp == Op::kNoMask ? "MultiMaxNoMask" : "MultiMaxSigma";
   }
   CustomOp() {
@@ -422,7 +567,7 @@ struct CustomOp : OrtCustomOp {
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) noexcept
         -> OrtStatusPtr {
       try {
-        return create_kernel(kOp, info, out);
+        return create_kernel(kOp, kFn, info, out);
       } catch (...) {
         return fail("cannot create the kernel", ORT_FAIL);
       }
@@ -432,7 +577,7 @@ struct CustomOp : OrtCustomOp {
     GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
     InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept -> OrtStatusPtr {
       try {
-        return infer_shape(kOp, ctx);
+        return infer_shape(kOp, kFn >= 0, ctx);
       } catch (...) {
         return nullptr;  // no shape inferred: the output gets its own buffer
       }
@@ -456,6 +601,21 @@ const CustomOp<Op::kMasked> g_masked;
 const CustomOp<Op::kNoMask> g_nomask;
 const CustomOp<Op::kSigma> g_sigma;
 
+// Every reweighting op, masked and NoMask, for Fn 0..kReweightCount-1.
+template <int... kFns>
+struct ReweightOps {
+  std::tuple<CustomOp<Op::kMasked, kFns>...> masked;
+  std::tuple<CustomOp<Op::kNoMask, kFns>...> nomask;
+  std::vector<const OrtCustomOp*> all() const {
+    std::vector<const OrtCustomOp*> out;
+    std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, masked);
+    std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, nomask);
+    return out;
+  }
+};
+const ReweightOps<0, 1, 2, 3, 4, 5, 6> g_reweight;
+static_assert(kReweightCount == 7, "one CustomOp per Fn");
+
 }  // namespace
 }  // namespace multimax
 
@@ -475,9 +635,9 @@ MM_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, 
   g_api = api;
   OrtCustomOpDomain* domain = nullptr;
   MM_RETURN_IF_ERROR(api->CreateCustomOpDomain("multimax", &domain));
-  for (const OrtCustomOp* op : {static_cast<const OrtCustomOp*>(&g_masked), static_cast<const OrtCustomOp*>(&g_nomask),
-                                static_cast<const OrtCustomOp*>(&g_sigma)})
-    MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
+  std::vector<const OrtCustomOp*> ops = {&g_masked, &g_nomask, &g_sigma};
+  for (const OrtCustomOp* op : g_reweight.all()) ops.push_back(op);
+  for (const OrtCustomOp* op : ops) MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
   return api->AddCustomOpDomain(options, domain);
 }
 
