@@ -336,10 +336,38 @@ OrtStatus* create_reweight(Fn fn, const OrtKernelInfo* info, Kernel* k) {
   return nullptr;
 }
 
+std::string heads_error(size_t heads, const std::vector<int64_t>& shape) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + (d < 0 ? std::string("?") : std::to_string(d));
+  return "attributes 'offset'/'scale' hold " + std::to_string(heads) + " per-head values: the input must be rank 4 " +
+         "(batch, heads, q, k) with " + std::to_string(heads) + " heads on axis 1, got shape (" + dims + ")";
+}
+
+// Per-head parameters against x's shape where the graph knows it (at session creation); where it does not,
+// compute_softmax checks the output's shape on every run. (The masked op's output rank is x's unless the
+// mask has more axes: then only the heads axis of a rank-4 x is checked here.)
+OrtStatus* check_heads(const Kernel& k, const OrtKernelInfo* info) {
+  if (k.heads() <= 1) return nullptr;
+  OrtTypeInfo* type = nullptr;
+  if (OrtStatus* s = g_api->KernelInfo_GetInputTypeInfo(info, 0, &type)) return g_api->ReleaseStatus(s), nullptr;
+  const OrtTensorTypeAndShapeInfo* tensor = nullptr;
+  std::vector<int64_t> shape;
+  size_t rank = 0;
+  OrtStatus* s = g_api->CastTypeInfoToTensorInfo(type, &tensor);
+  if (!s && tensor) s = g_api->GetDimensionsCount(tensor, &rank);
+  if (!s && tensor) shape.resize(rank), s = g_api->GetDimensions(tensor, shape.data(), rank);
+  g_api->ReleaseTypeInfo(type);
+  if (s || !tensor || rank == 0) return s ? (g_api->ReleaseStatus(s), nullptr) : nullptr;  // unknown: run time
+  const bool bad_rank = k.op == Op::kNoMask && rank != 4;
+  const bool bad_heads = rank == 4 && shape[1] > 0 && shape[1] != static_cast<int64_t>(k.heads());
+  return bad_rank || bad_heads ? fail(heads_error(k.heads(), shape)) : nullptr;
+}
+
 OrtStatus* create_kernel(Op op, int fn, const OrtKernelInfo* info, void** out) {
   Kernel k{op, {}, nullptr};
   if (fn >= 0) {
     MM_RETURN_IF_ERROR(create_reweight(static_cast<Fn>(fn), info, &k));
+    MM_RETURN_IF_ERROR(check_heads(k, info));
     MM_RETURN_IF_ERROR(choose_kernels(&k.rows));
     *out = new (std::nothrow) Kernel(k);
     return *out ? nullptr : fail("out of memory", ORT_FAIL);
@@ -358,13 +386,6 @@ OrtStatus* create_kernel(Op op, int fn, const OrtKernelInfo* info, void** out) {
 void count_run(const void* x, const float* y) {
   g_runs.fetch_add(1, std::memory_order_relaxed);
   if (x == y) g_in_place_runs.fetch_add(1, std::memory_order_relaxed);
-}
-
-std::string heads_error(size_t heads, const std::vector<int64_t>& shape) {
-  std::string dims;
-  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + (d < 0 ? std::string("?") : std::to_string(d));
-  return "attributes 'offset'/'scale' hold " + std::to_string(heads) + " per-head values: the input must be rank 4 " +
-         "(batch, heads, q, k) with " + std::to_string(heads) + " heads on axis 1, got shape (" + dims + ")";
 }
 
 OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
@@ -462,30 +483,7 @@ Dim broadcast_dim(const Dim& a, const Dim& b) {
   return {-1, ""};
 }
 
-// How many values a float-list attribute holds (0 if absent), read at shape inference.
-size_t attr_floats(OrtShapeInferContext* ctx, const char* name) {
-  const OrtOpAttr* attr = nullptr;
-  if (OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr)) return g_api->ReleaseStatus(s), 0;
-  if (!attr) return 0;
-  size_t bytes = 0;
-  if (OrtStatus* s = g_api->ReadOpAttr(attr, ORT_OP_ATTR_FLOATS, nullptr, 0, &bytes)) g_api->ReleaseStatus(s);
-  return bytes / sizeof(float);
-}
-
-// Per-head Gaussian/Laplacian parameters against the output's known dimensions: a mismatch fails session
-// creation (the kernel checks again at run time, where shapes were unknown here).
-OrtStatus* check_heads(OrtShapeInferContext* ctx, const std::vector<Dim>& out) {
-  const size_t heads = std::max(attr_floats(ctx, "offset"), attr_floats(ctx, "scale"));
-  if (heads <= 1 || out.empty()) return nullptr;
-  if (out.size() != 4 || (out[1].value > 0 && out[1].value != static_cast<int64_t>(heads))) {
-    std::vector<int64_t> shape;
-    for (const Dim& d : out) shape.push_back(d.value);
-    return fail(heads_error(heads, shape));
-  }
-  return nullptr;
-}
-
-OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeInfo* x, bool reweight) {
+OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeInfo* x) {
   OrtTensorTypeAndShapeInfo* mask = nullptr;
   if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 1, &mask)) return g_api->ReleaseStatus(s), nullptr;
   std::vector<Dim> xd, md;
@@ -499,7 +497,6 @@ OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeIn
   std::vector<const char*> names;
   std::vector<Dim> out;
   for (size_t i = 0; i < rank; ++i) out.push_back(broadcast_dim(xd[i], md[i]));
-  if (reweight) MM_RETURN_IF_ERROR(check_heads(ctx, out));
   for (const Dim& d : out) values.push_back(d.value), names.push_back(d.name.c_str());
   OrtTensorTypeAndShapeInfo* info = nullptr;
   MM_RETURN_IF_ERROR(g_api->CreateTensorTypeAndShapeInfo(&info));
@@ -511,18 +508,13 @@ OrtStatus* infer_masked_shape(OrtShapeInferContext* ctx, OrtTensorTypeAndShapeIn
   return s;
 }
 
-OrtStatus* infer_shape(Op op, bool reweight, OrtShapeInferContext* ctx) {
+OrtStatus* infer_shape(Op op, OrtShapeInferContext* ctx) {
   OrtTensorTypeAndShapeInfo* x = nullptr;  // owned by the context
   if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &x)) return g_api->ReleaseStatus(s), nullptr;
-  if (op == Op::kMasked) return infer_masked_shape(ctx, x, reweight);
+  if (op == Op::kMasked) return infer_masked_shape(ctx, x);
   size_t rank = 0;
   MM_RETURN_IF_ERROR(g_api->GetDimensionsCount(x, &rank));
   if (rank == 0) return nullptr;  // rank unknown: infer nothing (MultiMaxSigma of a scalar is a scalar anyway)
-  if (reweight) {
-    std::vector<Dim> xd;
-    MM_RETURN_IF_ERROR(dims_of(x, &xd));
-    MM_RETURN_IF_ERROR(check_heads(ctx, xd));
-  }
   return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, x);
 }
 
@@ -577,7 +569,7 @@ struct CustomOp : OrtCustomOp {
     GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
     InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept -> OrtStatusPtr {
       try {
-        return infer_shape(kOp, kFn >= 0, ctx);
+        return infer_shape(kOp, ctx);
       } catch (...) {
         return nullptr;  // no shape inferred: the output gets its own buffer
       }
