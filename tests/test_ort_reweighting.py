@@ -143,7 +143,7 @@ def test_per_head_parameters_follow_axis_1(lib: ort_ops.Library) -> None:  # noq
 BAD_ATTRS = [
     ("TopKSoftMaxNoMask", {"k": 0}, "attribute 'k' must be >= 1, got 0"),
     ("TopKSoftMaxNoMask", {}, "attribute 'k' (int) is missing"),
-    ("GaussianAttentionNoMask", {"offset": [0.0], "scale": [1.0, 0.0]}, "'scale' must be > 0 and finite, got 0"),
+    ("GaussianAttentionNoMask", {"offset": [0.0], "scale": [1.0, 0.0]}, "attribute 'scale' must be > 0"),
     ("LaplacianAttentionNoMask", {"offset": [0.0, 1.0], "scale": [1.0, 2.0, 3.0]},
      "attributes 'offset' and 'scale' must hold 1 value or one per head, the same number; got 2 and 3"),
     ("LaplacianAttention", {"offset": [float("nan")], "scale": [1.0]}, "attribute 'offset' must be finite, got nan"),
