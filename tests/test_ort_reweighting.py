@@ -20,19 +20,13 @@ from models import reweighting as rw
 from models.onnx_contract import REWEIGHTING_OPS
 from plugins import ort_ops
 from plugins.ort_ops.graphs import reweighting_model, reweighting_scores_model
+from plugins.reweight_kernel_cases import ATTRS
 from tests.test_ort_ops import lib, session  # noqa: F401  (the fixture, and the session helper)
 
 MIN = float(np.finfo(np.float32).min)
 HEADS = 3
 LENGTHS = (1, 2, 7, 17, 197)  # below, across and off the 4/8/16-lane vector widths
 LONG = 1031  # one long row (normal scores only: the reference is slow there)
-# Attributes of the test nodes: per-head Gaussian (3 heads on axis 1), one shared Laplacian value.
-ATTRS: dict[str, dict[str, Any]] = {
-    "topk_softmax": {"k": 3},
-    "gaussian": {"offset": [0.1, -0.3, 0.5], "scale": [0.5, 1.0, 2.0]},
-    "laplacian": {"offset": [0.2], "scale": [0.7]},
-    "length_scaled": {"eps": 0.1, "m": 0.0},
-}
 FUSED_OPS = set(ort_ops.OPS) - set(ort_ops.MULTIMAX_OPS)
 
 
