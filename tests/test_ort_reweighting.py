@@ -199,3 +199,33 @@ def test_every_contract_op_is_fused(lib: ort_ops.Library) -> None:  # noqa: F811
         )
         ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(None, feed)
         assert ort_ops.run_counts()[0] == runs + 1, op
+
+
+def sort_based(z: np.ndarray, ent: bool) -> np.ndarray:
+    """The contract's sort-based SparseMax / EntMax-1.5 in float64 (z = y or y/2), rows of the last axis."""
+    z = z.astype(np.float64) * (0.5 if ent else 1.0)
+    srt = -np.sort(-z, -1)
+    k = np.arange(1, z.shape[-1] + 1)
+    mean = np.cumsum(srt, -1) / k
+    if ent:
+        delta = (1 - k * (np.cumsum(srt**2, -1) / k - mean**2)) / k
+        tau_k = mean - np.sqrt(np.maximum(delta, 0))
+        support = (tau_k <= srt).sum(-1, keepdims=True)
+    else:
+        tau_k = (np.cumsum(srt, -1) - 1) / k
+        support = (tau_k < srt).sum(-1, keepdims=True)
+    tau = np.take_along_axis(tau_k, support - 1, -1)
+    p = np.maximum(z - tau, 0)
+    return p * p if ent else p
+
+
+@pytest.mark.parametrize("op", ["SparseMaxNoMask", "EntMax15NoMask"])
+def test_sparse_ops_match_the_sort_based_definition_at_every_spread(lib: ort_ops.Library, op: str) -> None:  # noqa: F811
+    """Rows from near-uniform (every entry a candidate, many Newton steps) to peaked, against float64 sorting."""
+    rng = np.random.default_rng(11)
+    fused = session(reweighting_model(op, {}), True)
+    for spread in (1e-3, 0.05, 0.3, 1.0, 3.0, 30.0):
+        x = (rng.standard_normal((64, 197)) * spread).astype(np.float32)
+        got = fused.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, sort_based(x, op.startswith("EntMax")), atol=2e-6, err_msg=f"{op} {spread}")
+        assert ((got > 0).sum(-1) >= 1).all()
