@@ -9,6 +9,11 @@ needs (an exported model of the function has the same node in the same place). P
 fused op and the body run interleaved (rounds alternating who goes first); the ratio is the median of the
 per-round ratios to the twin. Output max |fused - body| is reported as a check.
 
+`--node STD`: the node alone instead of the model, as DeiT-small's attention sees it (scores (B, 6, 197, 197) of
+standard deviation STD scaled by a Mul, the node, a Mul reading its output; plugins.ort_ops.graphs), against
+onnxruntime's Softmax in the same place: small STD gives near-uniform rows (an untrained model's), large STD
+peaked ones.
+
 Results: a JSON file (default runs/bench_reweighting.json) and a markdown table on stdout.
 """
 
@@ -30,11 +35,12 @@ import onnxruntime as ort
 from benchmarks.cpu_runtimes import pixels, session
 from benchmarks.export_time import interleaved, make_checkpoints, write_results
 from export.pipeline import ExportOptions, export_checkpoint
+from models.multimax import paper_params
 from models.onnx_contract import ONNX_DOMAIN, REWEIGHTING_OPS
 from models.reweighting import FUNCTIONS, OTHER_FUNCTIONS
 from plugins import ort_ops
 from plugins.onnx_reweighting import reweighting_function_protos
-from plugins.ort_ops.graphs import reweighting_node
+from plugins.ort_ops.graphs import reweighting_node, scores_model
 
 
 def node_attributes(name: str, heads: int) -> dict[str, Any]:
@@ -97,8 +103,8 @@ def bench_function(
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"Measured {results['date']} with `{results['command']}` ({results['machine']})", ""]
     lines += [
-        f"| function (DeiT-small, batch {results['batch']}) | fused op / SoftMax | function body / SoftMax "
-        "| SoftMax ms | fused ms | body ms | max abs fused vs body |",
+        f"| function ({results.get('what', 'DeiT-small')}, batch {results['batch']}) | fused op / SoftMax "
+        "| function body / SoftMax | SoftMax ms | fused ms | body ms | max abs fused vs body |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in results["functions"].items():
@@ -136,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
     p.add_argument("--twin", type=Path, help="an exported DeiT-small softmax twin (default: initialise and export one)")
     p.add_argument("--heads", type=int, default=6, help="attention heads of the twin (per-head Gaussian/Laplacian)")
+    p.add_argument("--node", type=float, metavar="STD", help="time the node alone on scores of this std (see above)")
     p.add_argument("-o", "--output", default="runs/bench_reweighting.json")
     args = p.parse_args(argv)
     if min(args.rounds, args.calls, args.batch, args.heads) < 1:
         p.error("--rounds, --calls, --batch and --heads must be >= 1")
+    if args.node is not None and args.node <= 0:
+        p.error("--node needs a standard deviation > 0")
     if args.twin is not None and not args.twin.is_file():
         p.error(f"--twin {args.twin}: no such file")
     lib = ort_ops.library()
@@ -152,14 +161,21 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, onnxruntime "
         f"{ort.__version__} (fused ops: {ort_ops.kernel_path()})",
         "batch": args.batch,
+        "what": f"the node alone, (B, 6, 197, 197) scores of std {args.node}" if args.node else "DeiT-small",
     }
     with tempfile.TemporaryDirectory(prefix="multimax-bench-reweighting.") as tmp_name:
         tmp = Path(tmp_name)
         twin = args.twin
-        if twin is None:
-            print("exporting DeiT-small's softmax twin (once) ...", file=sys.stderr)
-            twin = export_twin(tmp)
-        feed = {"pixel_values": pixels(args.batch)}
+        if args.node:
+            twin = tmp / "node_softmax.onnx"
+            twin.write_bytes(scores_model("Softmax", *paper_params(0), heads=args.heads))
+            scores = np.random.default_rng(0).standard_normal((args.batch, args.heads, 197, 197)) * args.node
+            feed = {"scores": scores.astype(np.float32)}
+        else:
+            if twin is None:
+                print("exporting DeiT-small's softmax twin (once) ...", file=sys.stderr)
+                twin = export_twin(tmp)
+            feed = {"pixel_values": pixels(args.batch)}
         results["functions"] = run(twin, feed, args.only, args.rounds, args.calls, args.threads, args.heads, tmp)
     results["machine"] += f"; load average {os.getloadavg()[0]:.1f} at the end"
     return write_results(results, Path(args.output), markdown(results))

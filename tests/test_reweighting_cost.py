@@ -3,6 +3,7 @@ and body timed against the twin, their outputs agreeing, and the command's argum
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -59,3 +60,12 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as exc:
         reweighting_cost.main(argv)
     assert exc.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_node_mode_runs_from_the_command_line(twin: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--node", "1", "--rounds", "1", "--calls", "1", "--threads", "1", "--only", "topk_softmax", "-o", str(out)]
+    assert reweighting_cost.main(argv) == 0
+    results = json.loads(out.read_text())
+    assert list(results["functions"]) == ["topk_softmax"] and "scores of std 1.0" in results["what"]
+    assert "| topk_softmax |" in capsys.readouterr().out
