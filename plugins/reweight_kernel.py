@@ -1,7 +1,7 @@
 """Triton kernels of the other reweighting functions (issue 15; contract docs/REWEIGHTING.md, references
 models.reweighting), in the manner of plugins.kernel: one kernel, the function a compile-time constant, rows of
 the flattened leading axes ([R, L]) held in registers (BLOCK_R rows per program), fp32 inside, the additive mask
-broadcast through strides (plugins.kernel._mask_rows) and read once.
+broadcast through strides (plugins.kernel.mask_args) and read once.
 
 Per row: y = x + mask; U = entries with mask > -1e4; masked entries get exactly 0, a one-entry row exactly 1,
 an empty row uniform. Then:
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from models.reweighting import OTHER_FUNCTIONS
-from plugins.kernel import MAX_BLOCK_L, SUPPORTED_DTYPES, _mask_rows, choose_config, interpreting
+from plugins.kernel import MAX_BLOCK_L, SUPPORTED_DTYPES, choose_config, mask_args, require_runnable
 
 FNS = OTHER_FUNCTIONS  # the kernel's FN constant is the index in this tuple
 MAX_COLS = MAX_BLOCK_L  # a whole row in one tile
@@ -180,21 +180,8 @@ def fused_reweight(
     if not bool((scales > 0).all()):
         raise ValueError("scale must be > 0")
     rows_per_head = x.shape[2] if per_head else 1
-    if mask is not None:
-        if not mask.is_floating_point():
-            raise TypeError(f"the mask is additive (0 / finfo.min), got dtype {mask.dtype}")
-        try:
-            mask, (n1, n2), (ms0, ms1, ms2) = _mask_rows(mask.to(x.device), x.shape)
-        except RuntimeError as exc:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}") from exc
-    else:
-        n1 = n2 = 1
-        ms0 = ms1 = ms2 = 0
-    if x.device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            "the Triton kernel runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before triton is imported)"
-        )
+    mask, (n1, n2, ms0, ms1, ms2) = mask_args(mask, x)
+    require_runnable(x)
     cfg = choose_config(n_cols)
     grid = (math.ceil(n_rows / cfg.block_r),)
     reweight_kernel[grid](

@@ -4,7 +4,6 @@ and body timed against the twin, their outputs agreeing, and the command's argum
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +16,11 @@ from models.onnx_contract import REWEIGHTING_OPS
 from models.reweighting import OTHER_FUNCTIONS
 from plugins import ort_ops
 from plugins.ort_ops.graphs import scores_model
+from tests.test_ort_ops import lib  # noqa: F401  (the fixture)
 
 
 @pytest.fixture
-def twin(tmp_path: Path) -> Path:
-    lib = ort_ops.library()
-    if not lib.available:
-        if os.environ.get("MULTIMAX_REQUIRE_ORT_OPS") == "1":
-            pytest.fail(f"fused ops required but unavailable: {lib.reason}")
-        pytest.skip(f"fused ops unavailable: {lib.reason}")
+def twin(lib: ort_ops.Library, tmp_path: Path) -> Path:  # noqa: F811  (lib: skips or fails without the library)
     path = tmp_path / "twin.onnx"
     path.write_bytes(scores_model("Softmax", *paper_params(0), heads=6))  # scores (B, 6, T, T) -> Softmax
     return path

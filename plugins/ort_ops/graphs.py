@@ -7,6 +7,7 @@ benchmark: the node as the exporter writes it, with its function body, so the sa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from onnx import NodeProto, TensorProto, helper
 
@@ -45,7 +46,7 @@ def op_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: int, 
     return _model([_node(op, names, "y", ranges, ts, order)], inputs, "y")
 
 
-def reweighting_node(op: str, inputs: list[str], output: str, attrs: Mapping[str, object]) -> NodeProto:
+def reweighting_node(op: str, inputs: list[str], output: str, attrs: Mapping[str, Any]) -> NodeProto:
     """One reweighting node as the contract spells it (op: a masked op type or its NoMask twin)."""
     return helper.make_node(
         op, inputs, [output], domain=ONNX_DOMAIN, plugin_name=op, plugin_version=PLUGIN_VERSION,
@@ -53,7 +54,7 @@ def reweighting_node(op: str, inputs: list[str], output: str, attrs: Mapping[str
     )  # fmt: skip
 
 
-def reweighting_model(op: str, attrs: Mapping[str, object], shape: Shape = None) -> bytes:
+def reweighting_model(op: str, attrs: Mapping[str, Any], shape: Shape = None) -> bytes:
     """x (and mask unless `op` ends in NoMask) -> the reweighting node -> y."""
     names = ["x"] if op.endswith("NoMask") else ["x", "mask"]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
@@ -68,7 +69,7 @@ def scores_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: i
     return _scores_model(_node(op, names, "p", ranges, ts, order), heads, op == "MultiMax")
 
 
-def reweighting_scores_model(op: str, attrs: Mapping[str, object], heads: int = 6) -> bytes:
+def reweighting_scores_model(op: str, attrs: Mapping[str, Any], heads: int = 6) -> bytes:
     """`scores_model` around a reweighting node (masked ops take the (B, 1, T, T) mask input)."""
     masked = not op.endswith("NoMask")
     return _scores_model(reweighting_node(op, ["x", "mask"] if masked else ["x"], "p", attrs), heads, masked)
