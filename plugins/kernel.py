@@ -209,6 +209,28 @@ def _mask_rows(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tup
     return m, (dims[1][0], dims[2][0]), (dims[0][1], dims[1][1], dims[2][1])
 
 
+def mask_args(mask: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """The mask as the kernels read it and (n1, n2, ms0, ms1, ms2) (`_mask_rows`); zeros without a mask."""
+    if mask is None:
+        return None, (1, 1, 0, 0, 0)
+    if not mask.is_floating_point():
+        raise TypeError(f"the mask is additive (0 / -inf or finfo.min), got dtype {mask.dtype}")
+    try:
+        m, (n1, n2), (ms0, ms1, ms2) = _mask_rows(mask.to(x.device), x.shape)
+    except RuntimeError as exc:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}") from exc
+    return m, (n1, n2, ms0, ms1, ms2)
+
+
+def require_runnable(x: torch.Tensor) -> None:
+    """A launch needs a CUDA tensor, or this process interpreting (a clear error instead of Triton's)."""
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            "the Triton kernel runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
+            "(TRITON_INTERPRET=1 set before triton is imported)"
+        )
+
+
 def _launch(
     x: torch.Tensor,
     ranges: torch.Tensor | Sequence[float],
@@ -238,22 +260,8 @@ def _launch(
     if len(scalars) != 8:
         raise ValueError("ranges and ts must hold 4 values each")
 
-    if mask is not None:
-        if not mask.is_floating_point():
-            raise TypeError(f"the MultiMax mask is additive (0 / -inf or finfo.min), got dtype {mask.dtype}")
-        try:
-            mask, (n1, n2), (ms0, ms1, ms2) = _mask_rows(mask.to(x.device), x.shape)
-        except RuntimeError as exc:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}") from exc
-    else:
-        n1 = n2 = 1
-        ms0 = ms1 = ms2 = 0
-
-    if x.device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            "the Triton kernel runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before triton is imported)"
-        )
+    mask, (n1, n2, ms0, ms1, ms2) = mask_args(mask, x)
+    require_runnable(x)
     grid = (math.ceil(n_rows / cfg.block_r),)
     multimax_kernel[grid](
         x, mask, params,

@@ -3,7 +3,9 @@
 The exported models carry each MultiMax as one `multimax::*` node with an ONNX function body; without
 this library onnxruntime inlines the body (one memory pass per elementwise op). With it, the three ops
 run as fused kernels (src/multimax_ops.cc): one pass per row in cache, vectorised, rows over
-onnxruntime's intra-op threads. The exported files never change.
+onnxruntime's intra-op threads. The exported files never change. The other reweighting functions
+(models.onnx_contract.REWEIGHTING_OPS: SparseMax, EntMax15, ... masked and NoMask) are fused the same
+way (src/reweight.inc).
 
 `register(options)` is what every CPU session the project creates calls. The library is built on
 first use (headers: ORT_INCLUDE_DIR, an installed libonnxruntime-dev, or fetched from Debian) into
@@ -24,7 +26,10 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
+from models.onnx_contract import reweighting_op_types
+
+MULTIMAX_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
+OPS = (*MULTIMAX_OPS, *reweighting_op_types())
 DOMAIN = "multimax"
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sys
 
 import onnxruntime as ort
 
-from plugins.ort_ops import OPS, library
+from plugins.ort_ops import MULTIMAX_OPS, OPS, library
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=2))
     elif lib.available:
         print(f"library: {lib.path}")
-        print(f"ops: multimax::{', multimax::'.join(OPS)} (float32, CPUExecutionProvider)")
+        print(f"ops: multimax::{', multimax::'.join(MULTIMAX_OPS)} (float32, CPUExecutionProvider)")
+        others = [op for op in OPS if op not in MULTIMAX_OPS and not op.endswith("NoMask")]
+        print(f"reweighting ops: multimax::{'(NoMask), multimax::'.join(others)}(NoMask)")
         print(
             f"kernel paths on this CPU: {', '.join(lib.kernel_paths)} (default: {lib.kernel_paths[0]}; "
             f"built: {', '.join(lib.compiled_paths)})"

@@ -1,6 +1,9 @@
 // onnxruntime custom-op library: the `multimax` domain's MultiMax(x, mask), MultiMaxNoMask(x) and
 // MultiMaxSigma(x) as fused CPU kernels, with the semantics of their ONNX function bodies
 // (export/onnx_functions.py): sigma, then the mask (numpy broadcasting), then Softmax over the last axis.
+// Also the other reweighting functions of issue 15 (SparseMax, EntMax15, EvSoftMax, TopKSoftMax,
+// GaussianAttention, LaplacianAttention, LengthScaledSoftMax, each masked and NoMask) with the contract's
+// masking rule (docs/REWEIGHTING.md; bodies in plugins/onnx_reweighting.py): row kernels in reweight.inc.
 //
 // Written against the C API only (onnxruntime_c_api.h): no exception crosses the C boundary, every
 // failure is an OrtStatus. The library does not link against onnxruntime; RegisterCustomOps asks the
@@ -13,10 +16,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "rows.h"
@@ -159,6 +165,28 @@ std::vector<int64_t> broadcast_strides(const std::vector<int64_t>& shape, const 
   return strides;
 }
 
+// ---- the kernels' settings --------------------------------------------------------------------
+
+enum class Op { kMasked, kNoMask, kSigma };
+
+struct Kernel {
+  Op op;
+  Sigma params;  // MultiMax
+  const RowKernels* rows;
+  bool reweight = false;  // one of the issue-15 functions (rw.fn), not MultiMax
+  Reweight rw{};
+  std::vector<float> offset, scale;  // Gaussian/Laplacian: 1 value, or one per head (axis 1 of rank-4 x)
+
+  size_t heads() const { return std::max(offset.size(), scale.size()); }
+  // This row's parameters: the per-head ones picked by the row's index along axis 1.
+  Reweight row(int64_t head) const {
+    Reweight p = rw;
+    if (!offset.empty()) p.offset = offset[offset.size() > 1 ? head : 0];
+    if (!scale.empty()) p.scale = scale[scale.size() > 1 ? head : 0];
+    return p;
+  }
+};
+
 // ---- parallel rows ---------------------------------------------------------------------------
 
 // Work per task: enough elements (~16k, tens of microseconds) that the pool's dispatch cost vanishes.
@@ -167,6 +195,7 @@ constexpr int64_t kElementsPerTask = 1 << 14;
 struct Job {
   const RowKernels* k;
   const Sigma* p;
+  const Kernel* rw;  // a reweighting op's kernel (its function and per-head parameters), else null
   int64_t rows, n, rows_per_task;
   // Softmax ops: x/mask rows found through broadcast strides over the output's leading dimensions.
   const float* x;
@@ -190,12 +219,16 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
     mo += idx[d] * j.m_strides[d];
   }
   std::vector<float> xbuf, mbuf;  // only for rows broadcast along the softmax axis
+  std::vector<float> scratch(j.rw ? j.n : 0);  // the reweighting rows' sort/selection candidates
   for (int64_t r = begin; r < end; ++r) {
     const float* x = j.x + xo;
     const float* m = j.mask ? j.mask + mo : nullptr;
     if (j.x_last == 0) xbuf.assign(j.n, *x), x = xbuf.data();
     if (m && j.m_last == 0) mbuf.assign(j.n, *m), m = mbuf.data();
-    j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
+    if (j.rw)  // per-head parameters: rank-4 output (checked), the head is the index along axis 1
+      j.k->reweight_row(j.rw->row(dims == 3 ? idx[1] : 0), x, m, j.y + r * j.n, j.n, scratch.data());
+    else
+      j.k->softmax_row(*j.p, x, m, j.y + r * j.n, j.n);
     for (size_t d = dims; d-- > 0;) {
       xo += j.x_strides[d];
       mo += j.m_strides[d];
@@ -230,14 +263,6 @@ OrtStatus* parallel(OrtKernelContext* ctx, void (*fn)(void*, size_t), int64_t ta
 
 // ---- the kernels -----------------------------------------------------------------------------
 
-enum class Op { kMasked, kNoMask, kSigma };
-
-struct Kernel {
-  Op op;
-  Sigma params;
-  const RowKernels* rows;
-};
-
 OrtStatus* read_floats(const OrtKernelInfo* info, const char* name, float out[4]) {
   size_t size = 0;
   OrtStatus* s = g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size);
@@ -249,8 +274,104 @@ OrtStatus* read_floats(const OrtKernelInfo* info, const char* name, float out[4]
   return g_api->KernelInfoGetAttributeArray_float(info, name, out, &size);
 }
 
-OrtStatus* create_kernel(Op op, const OrtKernelInfo* info, void** out) {
+// The reweighting ops' attributes (models.onnx_contract.REWEIGHTING_ATTRIBUTES), checked here so that a bad
+// value fails session creation with a clear status rather than giving NaN rows.
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, int64_t* v) {
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, name, v))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (int) is missing");
+  return nullptr;
+}
+
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, float* v) {
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_float(info, name, v))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (float) is missing");
+  return nullptr;
+}
+
+OrtStatus* read_attr(const OrtKernelInfo* info, const char* name, std::vector<float>* v) {
+  size_t size = 0;
+  if (OrtStatus* s = g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size))
+    return g_api->ReleaseStatus(s), fail(std::string("attribute '") + name + "' (floats) is missing");
+  if (size == 0) return fail(std::string("attribute '") + name + "' is empty (1 value, or one per head)");
+  v->resize(size);
+  return g_api->KernelInfoGetAttributeArray_float(info, name, v->data(), &size);
+}
+
+std::string str(float v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+OrtStatus* create_reweight(Fn fn, const OrtKernelInfo* info, Kernel* k) {
+  k->reweight = true;
+  k->rw.fn = fn;
+  switch (fn) {
+    case Fn::kTopK:
+      MM_RETURN_IF_ERROR(read_attr(info, "k", &k->rw.k));
+      if (k->rw.k < 1) return fail("attribute 'k' must be >= 1, got " + std::to_string(k->rw.k));
+      break;
+    case Fn::kGaussian:
+    case Fn::kLaplacian:
+      MM_RETURN_IF_ERROR(read_attr(info, "offset", &k->offset));
+      MM_RETURN_IF_ERROR(read_attr(info, "scale", &k->scale));
+      if (k->offset.size() > 1 && k->scale.size() > 1 && k->offset.size() != k->scale.size())
+        return fail("attributes 'offset' and 'scale' must hold 1 value or one per head, the same number; got " +
+                    std::to_string(k->offset.size()) + " and " + std::to_string(k->scale.size()));
+      for (float v : k->offset)
+        if (!std::isfinite(v)) return fail("attribute 'offset' must be finite, got " + str(v));
+      for (float v : k->scale)
+        if (!(v > 0.0f) || !std::isfinite(v)) return fail("attribute 'scale' must be > 0 and finite, got " + str(v));
+      break;
+    case Fn::kLengthScaled:
+      MM_RETURN_IF_ERROR(read_attr(info, "eps", &k->rw.eps));
+      MM_RETURN_IF_ERROR(read_attr(info, "m", &k->rw.m));
+      if (!(k->rw.eps > 0.0f && k->rw.eps < 1.0f)) return fail("attribute 'eps' must be in (0, 1), got " + str(k->rw.eps));
+      if (!(k->rw.m >= 0.0f) || !std::isfinite(k->rw.m))
+        return fail("attribute 'm' must be >= 0 (0: the square root of the unmasked length), got " + str(k->rw.m));
+      break;
+    default:
+      break;
+  }
+  return nullptr;
+}
+
+std::string heads_error(size_t heads, const std::vector<int64_t>& shape) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + (d < 0 ? std::string("?") : std::to_string(d));
+  return "attributes 'offset'/'scale' hold " + std::to_string(heads) + " per-head values: the input must be rank 4 " +
+         "(batch, heads, q, k) with " + std::to_string(heads) + " heads on axis 1, got shape (" + dims + ")";
+}
+
+// Per-head parameters against x's shape where the graph knows it (at session creation); where it does not,
+// compute_softmax checks the output's shape on every run. (The masked op's output rank is x's unless the
+// mask has more axes: then only the heads axis of a rank-4 x is checked here.)
+OrtStatus* check_heads(const Kernel& k, const OrtKernelInfo* info) {
+  if (k.heads() <= 1) return nullptr;
+  OrtTypeInfo* type = nullptr;
+  if (OrtStatus* s = g_api->KernelInfo_GetInputTypeInfo(info, 0, &type)) return g_api->ReleaseStatus(s), nullptr;
+  const OrtTensorTypeAndShapeInfo* tensor = nullptr;
+  std::vector<int64_t> shape;
+  size_t rank = 0;
+  OrtStatus* s = g_api->CastTypeInfoToTensorInfo(type, &tensor);
+  if (!s && tensor) s = g_api->GetDimensionsCount(tensor, &rank);
+  if (!s && tensor) shape.resize(rank), s = g_api->GetDimensions(tensor, shape.data(), rank);
+  g_api->ReleaseTypeInfo(type);
+  if (s || !tensor || rank == 0) return s ? (g_api->ReleaseStatus(s), nullptr) : nullptr;  // unknown: run time
+  const bool bad_rank = k.op == Op::kNoMask && rank != 4;
+  const bool bad_heads = rank == 4 && shape[1] > 0 && shape[1] != static_cast<int64_t>(k.heads());
+  return bad_rank || bad_heads ? fail(heads_error(k.heads(), shape)) : nullptr;
+}
+
+OrtStatus* create_kernel(Op op, int fn, const OrtKernelInfo* info, void** out) {
   Kernel k{op, {}, nullptr};
+  if (fn >= 0) {
+    MM_RETURN_IF_ERROR(create_reweight(static_cast<Fn>(fn), info, &k));
+    MM_RETURN_IF_ERROR(check_heads(k, info));
+    MM_RETURN_IF_ERROR(choose_kernels(&k.rows));
+    *out = new (std::nothrow) Kernel(k);
+    return *out ? nullptr : fail("out of memory", ORT_FAIL);
+  }
   MM_RETURN_IF_ERROR(read_floats(info, "ranges", k.params.r));
   MM_RETURN_IF_ERROR(read_floats(info, "ts", k.params.t));
   // `order` is metadata for the body (order-1 nodes carry ts[2:] = 0); an exported value outside 1/2 is corrupt.
@@ -286,10 +407,12 @@ OrtStatus* compute_softmax(const Kernel& k, OrtKernelContext* ctx) {
       out[d] = xs[d] == 1 ? ms[d] : xs[d];
     }
   }
+  if (k.reweight && k.heads() > 1 && (out.size() != 4 || out[1] != static_cast<int64_t>(k.heads())))
+    return fail(heads_error(k.heads(), out));
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, out, &y));
   count_run(x.data, y);
-  Job j{k.rows, &k.params, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  Job j{k.rows, &k.params, k.reweight ? &k : nullptr, 0, out.back(), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   if (j.n == 0 || numel(out) == 0) return nullptr;
   j.rows = numel(out) / j.n;
   j.lead.assign(out.begin(), out.end() - 1);
@@ -313,7 +436,7 @@ OrtStatus* compute_sigma(const Kernel& k, OrtKernelContext* ctx) {
   float* y = nullptr;
   MM_RETURN_IF_ERROR(make_output(ctx, x.shape, &y));
   count_run(x.data, y);
-  Job j{k.rows, &k.params, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
+  Job j{k.rows, &k.params, nullptr, 1, numel(x.shape), 1, x.data, nullptr, y, {}, {}, {}, 1, 1};
   return parallel(ctx, sigma_task, (j.n + kElementsPerTask - 1) / kElementsPerTask, &j);
 }
 
@@ -397,9 +520,23 @@ OrtStatus* infer_shape(Op op, OrtShapeInferContext* ctx) {
 
 // ---- the OrtCustomOp tables ------------------------------------------------------------------
 
-template <Op kOp>
+// Op types of the reweighting functions, indexed by Fn: {masked, NoMask} (models.onnx_contract.REWEIGHTING_OPS).
+constexpr const char* kReweightNames[][2] = {
+    {"SparseMax", "SparseMaxNoMask"},
+    {"EntMax15", "EntMax15NoMask"},
+    {"EvSoftMax", "EvSoftMaxNoMask"},
+    {"TopKSoftMax", "TopKSoftMaxNoMask"},
+    {"GaussianAttention", "GaussianAttentionNoMask"},
+    {"LaplacianAttention", "LaplacianAttentionNoMask"},
+    {"LengthScaledSoftMax", "LengthScaledSoftMaxNoMask"},
+};
+constexpr int kReweightCount = sizeof(kReweightNames) / sizeof(kReweightNames[0]);
+
+// kFn < 0: MultiMax's op kOp; else the reweighting function Fn(kFn), masked (kMasked) or NoMask.
+template <Op kOp, int kFn = -1>
 struct CustomOp : OrtCustomOp {
   static constexpr const char* name() {
+    if (kFn >= 0) return kReweightNames[kFn][kOp == Op::kMasked ? 0 : 1];
     return kOp == Op::kMasked ? "MultiMax" : kOp == Op::kNoMask ? "MultiMaxNoMask" : "MultiMaxSigma";
   }
   CustomOp() {
@@ -422,7 +559,7 @@ struct CustomOp : OrtCustomOp {
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) noexcept
         -> OrtStatusPtr {
       try {
-        return create_kernel(kOp, info, out);
+        return create_kernel(kOp, kFn, info, out);
       } catch (...) {
         return fail("cannot create the kernel", ORT_FAIL);
       }
@@ -456,6 +593,21 @@ const CustomOp<Op::kMasked> g_masked;
 const CustomOp<Op::kNoMask> g_nomask;
 const CustomOp<Op::kSigma> g_sigma;
 
+// Every reweighting op, masked and NoMask, for Fn 0..kReweightCount-1.
+template <int... kFns>
+struct ReweightOps {
+  std::tuple<CustomOp<Op::kMasked, kFns>...> masked;
+  std::tuple<CustomOp<Op::kNoMask, kFns>...> nomask;
+  std::vector<const OrtCustomOp*> all() const {
+    std::vector<const OrtCustomOp*> out;
+    std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, masked);
+    std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, nomask);
+    return out;
+  }
+};
+const ReweightOps<0, 1, 2, 3, 4, 5, 6> g_reweight;
+static_assert(kReweightCount == 7, "one CustomOp per Fn");
+
 }  // namespace
 }  // namespace multimax
 
@@ -475,9 +627,9 @@ MM_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, 
   g_api = api;
   OrtCustomOpDomain* domain = nullptr;
   MM_RETURN_IF_ERROR(api->CreateCustomOpDomain("multimax", &domain));
-  for (const OrtCustomOp* op : {static_cast<const OrtCustomOp*>(&g_masked), static_cast<const OrtCustomOp*>(&g_nomask),
-                                static_cast<const OrtCustomOp*>(&g_sigma)})
-    MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
+  std::vector<const OrtCustomOp*> ops = {&g_masked, &g_nomask, &g_sigma};
+  for (const OrtCustomOp* op : g_reweight.all()) ops.push_back(op);
+  for (const OrtCustomOp* op : ops) MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
   return api->AddCustomOpDomain(options, domain);
 }
 

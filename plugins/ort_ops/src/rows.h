@@ -11,6 +11,15 @@ struct Sigma {
   float t[4];
 };
 
+// The other reweighting functions (issue 15, /work/notes/REWEIGHTING_SPEC.md): one row's settings.
+enum class Fn : int32_t { kSparseMax, kEntMax15, kEvSoftMax, kTopK, kGaussian, kLaplacian, kLengthScaled };
+struct Reweight {
+  Fn fn;
+  int64_t k;            // TopKSoftMax
+  float eps, m;         // LengthScaledSoftMax (m = 0: sqrt of the unmasked length)
+  float offset, scale;  // Gaussian/Laplacian: this row's head's
+};
+
 // One instruction set's kernels. `mask` may be null (no mask); x, mask and y are contiguous rows of n.
 struct RowKernels {
   const char* name;
@@ -18,6 +27,9 @@ struct RowKernels {
   void (*softmax_row)(const Sigma& p, const float* x, const float* mask, float* y, int64_t n);
   // y = sigma(x), elementwise.
   void (*sigma)(const Sigma& p, const float* x, float* y, int64_t n);
+  // y = the reweighting function `p.fn` of x (+ mask: entries with mask <= -1e4 are masked and get 0) over one
+  // row; `scratch` holds n floats (candidates of the sort/selection). y may be x.
+  void (*reweight_row)(const Reweight& p, const float* x, const float* mask, float* y, int64_t n, float* scratch);
 };
 
 #define MULTIMAX_DECLARE_ISA(ns) \
