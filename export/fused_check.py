@@ -1,5 +1,5 @@
-"""The export's check of the fused MultiMax ops: the same inputs through onnxruntime with the custom-op
-library (plugins.ort_ops) and with the function bodies, outputs compared.
+"""The export's check of the fused ops (MultiMax and the other reweighting functions): the same inputs
+through onnxruntime with the custom-op library (plugins.ort_ops) and with the function bodies, outputs compared.
 
 Both are what users get (the library where it builds, the bodies elsewhere), so both must agree.
 """
@@ -64,7 +64,7 @@ def compare_fused(
         for a, b in zip(outputs, bodies.run(None, feed), strict=True):
             worst = max(worst, float(np.abs(a.astype(np.float64) - b).max(initial=0.0)))
     failures = [] if atol is None or worst <= atol else [
-        f"fused MultiMax ops: max abs diff {worst:.3g} > {atol} vs function bodies"
+        f"fused ops: max abs diff {worst:.3g} > {atol} vs function bodies"
     ]
     return {
         "in_use": True, "library": str(lib.path), "kernel_path": ort_ops.kernel_path(), "feeds": len(feeds),
@@ -75,9 +75,9 @@ def compare_fused(
 def fused_summary(report: dict[str, Any]) -> str:
     """One line for the export's summary."""
     if not report["in_use"]:
-        return f"fused MultiMax ops (onnxruntime): not used, {report['reason']}"
+        return f"fused ops (onnxruntime): not used, {report['reason']}"
     return (
-        f"fused MultiMax ops (onnxruntime, {report['kernel_path']}): max|diff| vs function bodies "
+        f"fused ops (onnxruntime, {report['kernel_path']}): max|diff| vs function bodies "
         f"{report['max_abs_vs_function_bodies']:.2e} "
         + ("(reported, not enforced)" if report["atol"] is None else f"(limit {report['atol']:g})")
     )
