@@ -22,13 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from models import onnx_contract
 from models.reweighting import OTHER_FUNCTIONS
 from plugins.kernel import MAX_BLOCK_L, SUPPORTED_DTYPES, choose_config, mask_args, require_runnable
 
 FNS = OTHER_FUNCTIONS  # the kernel's FN constant is the index in this tuple
 MAX_COLS = MAX_BLOCK_L  # a whole row in one tile
-MASKED_BELOW = -1e4  # models.onnx_contract.MASKED_BELOW
-BISECTION_STEPS = 30
+# Globals a compiled (not interpreted) @triton.jit kernel reads must be constexpr objects.
+MASKED_BELOW = tl.constexpr(onnx_contract.MASKED_BELOW)
+BISECTION_STEPS = tl.constexpr(30)
 
 
 @triton.jit
