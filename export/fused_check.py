@@ -17,6 +17,23 @@ from plugins import ort_ops
 FUSED_ATOL = 1e-5  # fused kernels vs the inlined bodies: float32 rounding only
 
 
+def discontinuous_ops(path: Path) -> list[str]:
+    """The model's reweighting op types whose weights jump at a cut (models.reweighting `continuous=False`).
+
+    The fused op and its body agree on identical inputs (tested per op), but in a whole model the float32
+    rounding of the layers before (a different exp, another summation order) can move an entry that sits at
+    the cut across it, which changes that entry's weight by a whole amount: measured up to 3.5e-5 on the
+    logits of an untrained Ev-SoftMax DeiT-small. Such models are held to the logits' limit instead.
+    """
+    import onnx
+
+    from models.reweighting import FUNCTIONS
+
+    cut = {op for spec in FUNCTIONS.values() if not spec.continuous for op in spec.op_types}
+    proto = onnx.load(str(path), load_external_data=False)
+    return sorted({node.op_type for node in proto.graph.node if node.op_type in cut})
+
+
 def cpu_session(
     path: Path,
     level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -41,8 +58,12 @@ def compare_fused(
     feeds: list[dict[str, np.ndarray]],
     fused_outputs: list[list[np.ndarray]] | None = None,
     atol: float | None = FUSED_ATOL,
+    loose_atol: float | None = None,
 ) -> dict[str, Any]:
     """Max abs difference over every output and feed, with vs without the library; `failures` if > atol.
+
+    `loose_atol` (the logits' limit against PyTorch) replaces `atol` for models with discontinuous ops
+    (`discontinuous_ops`), which the report lists under "discontinuous_ops".
 
     `atol=None`: reported, not enforced (int8 graphs: a float32 rounding difference in front of a dynamic
     quantization can move a value by a whole quantization step, 2.2e-3 on the digits model).
@@ -55,6 +76,9 @@ def compare_fused(
         return {"in_use": False, "reason": "the model has no multimax nodes", "failures": []}
     if not lib.available:
         return {"in_use": False, "reason": lib.reason, "failures": []}
+    cut_ops = discontinuous_ops(path)
+    if cut_ops and atol is not None:
+        atol = max(atol, loose_atol if loose_atol is not None else atol)
     if fused_outputs is None:
         fused = cpu_session(path, fused=True)
         fused_outputs = [fused.run(None, feed) for feed in feeds]
@@ -68,7 +92,7 @@ def compare_fused(
     ]
     return {
         "in_use": True, "library": str(lib.path), "kernel_path": ort_ops.kernel_path(), "feeds": len(feeds),
-        "max_abs_vs_function_bodies": worst, "atol": atol, "failures": failures,
+        "max_abs_vs_function_bodies": worst, "atol": atol, "discontinuous_ops": cut_ops, "failures": failures,
     }  # fmt: skip
 
 
@@ -76,8 +100,13 @@ def fused_summary(report: dict[str, Any]) -> str:
     """One line for the export's summary."""
     if not report["in_use"]:
         return f"fused ops (onnxruntime): not used, {report['reason']}"
+    if report["atol"] is None:
+        limit = "(reported, not enforced)"
+    elif report.get("discontinuous_ops"):
+        limit = f"(limit {report['atol']:g}, the logits' one: {', '.join(report['discontinuous_ops'])} cut rows)"
+    else:
+        limit = f"(limit {report['atol']:g})"
     return (
         f"fused ops (onnxruntime, {report['kernel_path']}): max|diff| vs function bodies "
-        f"{report['max_abs_vs_function_bodies']:.2e} "
-        + ("(reported, not enforced)" if report["atol"] is None else f"(limit {report['atol']:g})")
+        f"{report['max_abs_vs_function_bodies']:.2e} {limit}"
     )

@@ -160,7 +160,7 @@ def validate_vision(
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, fused_atol(tolerance))
+        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
     failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures
@@ -294,7 +294,7 @@ def validate_text(
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):
         feeds = [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]]
-        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance))
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
     failures += report["fused_ops"]["failures"]
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")

@@ -117,8 +117,12 @@ def entmax15(x: Tensor, mask: Tensor | None = None, dim: int = -1) -> Tensor:
 def evsoftmax(x: Tensor, mask: Tensor | None = None, dim: int = -1) -> Tensor:
     """Ev-SoftMax at inference (Chen et al. 2021): entries below the row mean get 0, softmax over the rest."""
     y, keep = _masked(x, mask, dim)
-    # y >= mean always holds at the max; `| at max` keeps it when the mean rounds above equal entries
-    kept = keep & ((y >= _row_mean(y, keep)) | (y == _row_max(y, keep)))
+    # The cut at the mean is a discontinuity: the mean is taken in float64 (exact for the sums of float32
+    # scores met in practice), so this, the ONNX body and the fused kernels keep the same entries instead of
+    # disagreeing, by a whole weight, on entries within float32 rounding of the mean. y >= mean always
+    # holds at the max; `| at max` keeps it should the mean still round above a row of equal entries.
+    y64 = y.double()
+    kept = keep & ((y64 >= _row_mean(y64, keep)) | (y == _row_max(y, keep)))
     return _finish(_softmax_over(y, kept), keep, dim)
 
 
@@ -190,6 +194,9 @@ class ReweightingSpec:
     params: tuple[str, ...] = ()  # learned per-head parameters (node attributes `offset`, `scale`)
     distribution: bool = True  # non-negative, rows sum to 1
     sparse: bool = False  # can give exact zeros to unmasked entries
+    # False where an entry's weight jumps as its score crosses a cut (Ev-SoftMax's row mean, top-k's k-th value):
+    # float32 rounding upstream can move an entry across it, so two correct runtimes may differ by a weight.
+    continuous: bool = True
 
     @property
     def op_types(self) -> tuple[str, ...]:
@@ -230,11 +237,12 @@ FUNCTIONS: dict[str, ReweightingSpec] = {
         ReweightingSpec("sparsemax", sparsemax, OPS["sparsemax"], "Euclidean projection onto the simplex", sparse=True),
         ReweightingSpec("entmax15", entmax15, OPS["entmax15"], "alpha-entmax with alpha = 1.5", sparse=True),
         ReweightingSpec(
-            "evsoftmax", evsoftmax, OPS["evsoftmax"], "softmax over the entries >= the row mean", sparse=True
+            "evsoftmax", evsoftmax, OPS["evsoftmax"], "softmax over the entries >= the row mean", sparse=True,
+            continuous=False,
         ),
         ReweightingSpec(
             "topk_softmax", topk_softmax, OPS["topk_softmax"], "softmax over the k largest entries", {"k": 8},
-            sparse=True,
+            sparse=True, continuous=False,
         ),
         ReweightingSpec(
             "gaussian", gaussian, OPS["gaussian"], "exp(-(y-mu)^2/(2s^2)) normalised, mu = mean + offset",

@@ -81,10 +81,12 @@ class _Body:
     def row_max(self, y: str, keep: str | None) -> str:
         return self.reduce("ReduceMax", y if keep is None else self.op("Where", keep, y, self.const(float("-inf"))))
 
-    def row_mean(self, y: str, keep: str | None, count: str | None) -> str:
+    def row_mean(self, y: str, keep: str | None, count: str | None, to: int = TensorProto.FLOAT) -> str:
+        """Mean of y (masked entries 0) over the unmasked count; `to` is y's type (FLOAT or DOUBLE)."""
         if keep is None or count is None:
             return self.reduce("ReduceMean", y)
-        return self.op("Div", self.reduce("ReduceSum", y), self.op("Max", count, self.const(1.0)))
+        n = self.op("Max", count, self.const(1.0))
+        return self.op("Div", self.reduce("ReduceSum", y), n if to == TensorProto.FLOAT else self.op("Cast", n, to=to))
 
     def softmax_over(self, z: str, kept: str | None) -> str:
         """softmax of z over `kept` (all entries when None)."""
@@ -161,7 +163,9 @@ def _entmax15(b: _Body) -> str:
 
 def _evsoftmax(b: _Body) -> str:
     y, keep, count = b.prologue()
-    above = b.op("GreaterOrEqual", y, b.row_mean(y, keep, count))
+    # The mean in float64, as models.reweighting.evsoftmax takes it (the cut is a discontinuity).
+    y64 = b.op("Cast", y, to=TensorProto.DOUBLE)
+    above = b.op("GreaterOrEqual", y64, b.row_mean(y64, keep, count, to=TensorProto.DOUBLE))
     kept = b.op("Or", above, b.op("Equal", y, b.row_max(y, keep)))  # the max is >= the mean even if it rounds
     if keep is not None:
         kept = b.op("And", kept, keep)

@@ -99,8 +99,10 @@ def reweight_kernel(
         else:
             tau = (s1 - 1.0) / cnt
             p = tl.maximum(z - tau[:, None], 0.0)
-    elif FN == 2:  # evsoftmax: the entries >= the mean (the max always)
-        p = _softmax_kept(y, keep & ((y >= mean[:, None]) | (y == ymax[:, None])))
+    elif FN == 2:  # evsoftmax: the entries >= the mean, summed in float64 as everywhere else (the max always)
+        y64 = y.to(tl.float64)
+        mean64 = tl.sum(y64, axis=1) / tl.maximum(count, 1.0).to(tl.float64)
+        p = _softmax_kept(y, keep & ((y64 >= mean64[:, None]) | (y == ymax[:, None])))
     elif FN == 3:  # topk_softmax: the k-th largest by bisection on the order-preserving int key
         bits = y.to(tl.int32, bitcast=True)
         key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)

@@ -9,6 +9,7 @@ MULTIMAX_REQUIRE_ORT_OPS=1 (CI) makes an unavailable library a failure (the `lib
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from models import reweighting as rw
 from models.onnx_contract import REWEIGHTING_OPS
+from export.fused_check import FUSED_ATOL, compare_fused, fused_summary
 from plugins import ort_ops
 from plugins.ort_ops.graphs import reweighting_model, reweighting_scores_model
 from plugins.reweight_kernel_cases import ATTRS
@@ -229,3 +231,40 @@ def test_sparse_ops_match_the_sort_based_definition_at_every_spread(lib: ort_ops
         got = fused.run(None, {"x": x})[0]
         np.testing.assert_allclose(got, sort_based(x, op.startswith("EntMax")), atol=2e-6, err_msg=f"{op} {spread}")
         assert ((got > 0).sum(-1) >= 1).all()
+
+
+def rows_at_their_mean(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Rows with one entry set to the float32 nearest the row's own (exact) mean, the case where float32 sums
+    in different orders put the mean on either side of it."""
+    x = (rng.standard_normal((rows, n)) * 2).astype(np.float32)
+    for _ in range(4):  # the entry moves the mean: iterate to the fixed point
+        x[:, 0] = x.astype(np.float64).mean(-1).astype(np.float32)
+    return x
+
+
+def test_evsoftmax_keeps_the_same_entries_in_reference_body_and_fused_ops(lib: ort_ops.Library) -> None:  # noqa: F811
+    """Ev-SoftMax's cut at the row mean is a discontinuity: an entry at the mean is kept with a whole weight or
+    dropped. Every implementation takes the mean in float64 (exact here), so all three agree entry by entry."""
+    x = rows_at_their_mean(np.random.default_rng(0), 400, 197)
+    mask = np.zeros((1, 197), np.float32)
+    mask[0, -3:] = MIN  # the masked path too
+    want_nomask, want = reference("evsoftmax", x, None, {}), reference("evsoftmax", x, mask, {})
+    for fused in (True, False):
+        for op, feed, w in (("EvSoftMaxNoMask", {"x": x}, want_nomask), ("EvSoftMax", {"x": x, "mask": mask}, want)):
+            got = session(reweighting_model(op, {}), fused).run(None, feed)[0]
+            np.testing.assert_array_equal(got > 0, w > 0, err_msg=f"{op} fused={fused}: another support")
+            np.testing.assert_allclose(got, w, atol=2e-6, rtol=0, err_msg=f"{op} fused={fused}")
+
+
+def test_fused_check_holds_cut_functions_to_the_logits_limit(lib: ort_ops.Library, tmp_path: Path) -> None:  # noqa: F811
+    """Models with Ev-SoftMax or top-k nodes get the logits' limit (upstream rounding can move an entry across the
+    cut in a whole model); the others keep the fused check's own 1e-5, and the summary says which applied."""
+    x = {"x": np.random.default_rng(1).standard_normal((4, 9)).astype(np.float32)}
+    for op, cut in (("EvSoftMaxNoMask", True), ("TopKSoftMaxNoMask", True), ("SparseMaxNoMask", False)):
+        path = tmp_path / f"{op}.onnx"
+        path.write_bytes(reweighting_model(op, {"k": 3} if op.startswith("TopK") else {}))
+        report = compare_fused(path, [x], loose_atol=1e-4)
+        assert report["in_use"] and not report["failures"] and report["max_abs_vs_function_bodies"] <= 2e-6
+        assert report["atol"] == (1e-4 if cut else FUSED_ATOL)
+        assert report["discontinuous_ops"] == ([op] if cut else [])
+        assert ("cut rows" in fused_summary(report)) == cut
