@@ -160,7 +160,9 @@ def validate_vision(
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
+        report["fused_ops"] = compare_fused(
+            path, fused_feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol
+        )
     failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures

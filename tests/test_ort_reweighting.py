@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from export.fused_check import FUSED_ATOL, compare_fused, fused_summary
 from models import reweighting as rw
 from models.onnx_contract import REWEIGHTING_OPS
-from export.fused_check import FUSED_ATOL, compare_fused, fused_summary
 from plugins import ort_ops
 from plugins.ort_ops.graphs import reweighting_model, reweighting_scores_model
 from plugins.reweight_kernel_cases import ATTRS
