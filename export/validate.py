@@ -19,6 +19,7 @@ from models import registry
 from models.generate import generate
 from models.gpt import GPT
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
+from plugins.onnx_reweighting import attribute_problems
 
 LOGITS_ATOL = 1e-4
 
@@ -55,7 +56,7 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain]
-    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs)
+    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs) + attribute_problems(model)
     return {
         "checker": "passed (full_check)",
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},

@@ -22,7 +22,7 @@ from models.gpt import GPT, GPTConfig
 from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
 from models.tokenizer import ByteTokenizer
 from plugins import ort_ops
-from plugins.onnx_reweighting import reweighting_function_protos
+from plugins.onnx_reweighting import attribute_problems, reweighting_function_protos
 
 # Attributes of the single-node test models (offset/scale per head: 3 heads on axis 1).
 ATTRS = {
@@ -190,3 +190,76 @@ def test_shipped_demo_exports_as_before(tmp_path: Path) -> None:
         return proto.SerializeToString()
 
     assert stripped(tmp_path / "digits.onnx") == stripped(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
+
+
+def test_attribute_problems_name_each_contract_breach() -> None:
+    """The static check of the exporter and the server's load: what a fused op refuses at session creation, for
+    function bodies that would fail (or compute nonsense) only when run."""
+    gauss = ATTRS["gaussian"]  # 3 heads
+    assert attribute_problems(single_node("GaussianAttention", True, gauss)) == []  # dynamic heads: not known
+
+    def fixed(op: str, attrs: dict, dims: list[int]) -> onnx.ModelProto:
+        model = single_node(op, False, attrs)
+        for d, v in zip(model.graph.input[0].type.tensor_type.shape.dim, dims, strict=False):
+            d.dim_value = v
+        del model.graph.input[0].type.tensor_type.shape.dim[len(dims):]
+        return model
+
+    assert attribute_problems(fixed("GaussianAttention", gauss, [2, 3, 5, 6])) == []
+    assert attribute_problems(fixed("LaplacianAttention", {"offset": [0.1], "scale": [2.0]}, [7, 6])) == []
+    bad = {
+        "3 per-head values for 4 heads": fixed("GaussianAttention", gauss, [2, 4, 5, 6]),
+        "need a rank-4 input": fixed("LaplacianAttention", gauss, [5, 6]),
+        "same length >= 1, got 3 and 2": single_node("GaussianAttention", True, {**gauss, "scale": [1.0, 2.0]}),
+        "every scale must be > 0": single_node("LaplacianAttention", False, {"offset": [0.0], "scale": [-1.0]}),
+        "k must be >= 1, got 0": single_node("TopKSoftMax", True, {"k": 0}),
+        "eps must be in (0, 1), got 1.5": single_node("LengthScaledSoftMax", False, {"eps": 1.5, "m": 0.0}),
+        "m must be >= 0": single_node("LengthScaledSoftMax", False, {"eps": 0.1, "m": -2.0}),
+        "missing attribute(s) k": single_node("TopKSoftMax", False, {}),
+    }
+    for want, model in bad.items():
+        problems = attribute_problems(model)
+        assert len(problems) == 1 and want in problems[0], (want, problems)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "bodies"])
+def test_server_refuses_a_file_with_bad_attributes_and_serves_the_others(
+    tmp_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-up off, so the load's own check must catch it: with the fused library the op refuses the session,
+    but the function bodies (a GPU provider, or no library) would fail only on the first request."""
+    if not fused:
+        monkeypatch.setattr(ort_ops, "register", lambda options: False)
+    from fastapi.testclient import TestClient
+
+    from models.training.vision import DIGITS_PREPROCESS
+    from service.app import create_app
+    from service.config import Settings
+
+    torch.manual_seed(0)
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("good", "bad"):
+        config = DeiTConfig(img_size=32, patch_size=8, in_chans=1, num_classes=10, embed_dim=32, depth=1,
+                            num_heads=2, multimax_output=False, attention_function="gaussian")
+        ckpt = Checkpoint("deit", config.to_dict(), DeiT(config).state_dict(), labels=[str(i) for i in range(10)],
+                          preprocess=DIGITS_PREPROCESS)
+        save_checkpoint(ckpt, tmp_path / f"{name}.pt")
+        assert main([str(tmp_path / f"{name}.pt"), "--quiet", "--no-validate", "-o", str(models / f"{name}.onnx")]) == 0
+    proto = onnx.load(str(models / "bad.onnx"))
+    node = next(n for n in proto.graph.node if n.op_type == "GaussianAttentionNoMask")
+    for a in node.attribute:
+        if a.name in ("offset", "scale"):
+            a.floats.append(1.0)  # 3 values for 2 heads
+    onnx.save(proto, str(models / "bad.onnx"))
+    with TestClient(create_app(Settings(model_dir=models, warmup_calls=0))) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["good"]
+        image = np.zeros((1, 1, 32, 32), np.float32).tolist()
+        r = client.post("/v2/models/good/infer", json={"inputs": [
+            {"name": "pixel_values", "datatype": "FP32", "shape": [1, 1, 32, 32], "data": image}]})
+        assert r.status_code == 200, r.text
+        assert client.post("/v2/models/bad/infer", json={"inputs": []}).status_code == 404
+    from service.registry import load_models
+
+    loaded, failed = load_models(Settings(model_dir=models, warmup_calls=0))
+    assert list(loaded) == ["good"] and "3 per-head values for 2 heads" in str(failed["bad"])

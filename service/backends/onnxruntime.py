@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from models import registry as architectures
@@ -20,6 +21,7 @@ from models.onnx_contract import (
     text_feeds,
 )
 from plugins import ort_ops
+from plugins.onnx_reweighting import attribute_problems
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import onnxruntime_providers
 
@@ -37,6 +39,18 @@ def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
     if ort_ops.register(options):
         return {"in_use": True, "kernel_path": ort_ops.kernel_path()}
     return {"in_use": False, "reason": ort_ops.library().reason}
+
+
+def _refuse_bad_attributes(path: Path) -> None:
+    """A reweighting node the fused op would refuse at session creation fails in its function body only when
+    run (on a GPU, or without the library): refuse the file at load instead, for every provider."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # unreadable here: the session's own load reports it
+        return
+    problems = attribute_problems(proto)
+    if problems:
+        raise BackendUnavailable(f"{path.name}: {'; '.join(problems[:3])}" + (" ..." if len(problems) > 3 else ""))
 
 
 class _OrtBackend(Backend):
@@ -129,6 +143,7 @@ def OnnxRuntimeBackend(
         requested, why = providers, ""
     else:
         requested, why = onnxruntime_providers()
+    _refuse_bad_attributes(path)
     # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
     fused = fused_ops_state(path, options) if list(requested) == ["CPUExecutionProvider"] else None
     try:
