@@ -50,3 +50,32 @@ def test_compare_refuses_unknown_functions_and_missing_results(tmp_path: Path, c
 def test_plot_simplex_writes_a_png(tmp_path: Path) -> None:
     assert main(["plot-simplex", "-o", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_step_ratios_go_into_the_results_and_their_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import reweighting_train_cost
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"recipe": {"epochs": 1}, "results": {}}))
+    args = ["--rounds", "1", "--steps", "1", "--only", "sparsemax", "--into", str(results), "-o", str(tmp_path / "o")]
+    assert reweighting_train_cost.main(args) == 0
+    data = json.loads(results.read_text())
+    assert data["recipe"] == {"epochs": 1}  # the rest kept
+    ratios = data["train_step"]["ratio_to_softmax"]
+    assert list(ratios) == ["softmax", "sparsemax"] and ratios["softmax"] == 1.0 and ratios["sparsemax"] > 0
+    assert "| sparsemax | " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        reweighting_train_cost.main(["--steps", "0"])
+    assert exc.value.code == 2
+
+
+def test_the_docs_tables_are_the_shipped_results() -> None:
+    """README's and docs/REWEIGHTING.md's results tables are `compare --table` of docs/reweighting_results.json."""
+    import re
+
+    from models.training.compare import RESULTS, table
+
+    want = table(json.loads(RESULTS.read_text()))
+    for doc in ("README.md", "docs/REWEIGHTING.md"):
+        found = re.search(r"<!-- results-table -->\n(.*?)\n<!-- /results-table -->", Path(doc).read_text(), re.S)
+        assert found is not None and found.group(1) == want, f"{doc}: run `python -m models.training compare --table`"

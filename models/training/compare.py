@@ -4,7 +4,8 @@ Same recipe, seed and budget as the shipped MultiMax and softmax twins (`train_v
 epochs, seed 0); each other function replaces the attention step and keeps plain logits at the output, as the
 softmax twin does. The two twins are not retrained: their numbers are the shipped checkpoints' (training time
 from models/demo/report.json), measured the same way. Training time is wall time (under whatever load the
-machine had) and the process's CPU time (steadier on a shared machine). Each function's result is written to the
+machine had) and the process's CPU time; the table's "step vs SoftMax" column comes from
+benchmarks.reweighting_train_cost, which times all functions side by side in one run. Each function's result is written to the
 results JSON as soon as it is done, so an interrupted run resumes where it stopped (a result with another recipe
 is redone).
 
@@ -169,20 +170,24 @@ def compare(
 def table(data: dict[str, Any]) -> str:
     """The results as a Markdown table (functions in the order of ALL; missing ones say 'not run yet')."""
     rows = [
-        "| function | options | held-out accuracy | training s (wall) | CPU s | multi-modality M | sparsity S "
-        "| zero weights | entropy |",
+        "| function | options | held-out accuracy | training s (wall) | step vs SoftMax | multi-modality M "
+        "| sparsity S | zero weights | entropy |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     results = data.get("results", {})
+    # Training-step cost ratios measured side by side (benchmarks.reweighting_train_cost --into): the wall
+    # times were taken one function after another under the shared machine's load of the moment.
+    steps = data.get("train_step", {}).get("ratio_to_softmax", {})
     for name in ALL:
         r = results.get(name)
         if r is None:
             rows.append(f"| {name} | | not run yet | | | | | | |")
             continue
         opts = ", ".join(f"{k}={v:g}" for k, v in r.get("options", {}).items())
-        secs, cpu = (f"{r[k]:.0f}" if r.get(k) is not None else "?" for k in ("seconds", "cpu_seconds"))
+        secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else "?"
+        step = f"{steps[name]:.2f}" if name in steps else "?"
         rows.append(
-            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {secs} | {cpu} | {r['multimodality']:.3f} | "
+            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {secs} | {step} | {r['multimodality']:.3f} | "
             f"{r['sparsity']:.3f} | {r['zero_share']:.1%} | {r['entropy']:.2f} |"
         )
     return "\n".join(rows)
