@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from models.multimax import ExportAttrs, _export_node
-from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
+from models.onnx_contract import plugin_attrs
 from models.reweighting import spec
 
 # The configured functions that are NOT an AttentionFunction: the models' own MultiMax and plain softmax.
@@ -58,8 +58,7 @@ class AttentionFunction(nn.Module):
         frozen = vars(self).get("_onnx_attrs")
         if frozen is not None and torch.onnx.is_in_onnx_export():
             op = self.spec.op_types[0 if mask is not None else 1]
-            plugin = {"plugin_name": op, "plugin_version": PLUGIN_VERSION, "plugin_namespace": ONNX_DOMAIN}
-            return _export_node(op, scores, mask, {**frozen, **plugin})
+            return _export_node(op, scores, mask, {**frozen, **plugin_attrs(op)})
         half = scores.dtype in (torch.float16, torch.bfloat16)
         y = scores.float() if half else scores  # fp32 like the exported node
         fn = self.spec.fn

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
+from models.onnx_contract import plugin_attrs
 
 Variant = Literal["second", "first", "v2"]
 VARIANTS: tuple[str, ...] = ("second", "first", "v2")
@@ -204,8 +204,7 @@ def _export_attrs(owner: Owner, order: int, op: str) -> ExportAttrs | None:
     ranges, ts = frozen
     if order == 1:
         ts = [*ts[:2], 0.0, 0.0]  # one body for both orders: zero second-order terms contribute nothing
-    plugin = {"plugin_name": op, "plugin_version": PLUGIN_VERSION, "plugin_namespace": ONNX_DOMAIN}
-    return {"ranges": ranges, "ts": ts, "order": order, **plugin}
+    return {"ranges": ranges, "ts": ts, "order": order, **plugin_attrs(op)}
 
 
 def _export_node(op: str, x: torch.Tensor, mask: torch.Tensor | None, attrs: ExportAttrs) -> torch.Tensor:

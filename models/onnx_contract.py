@@ -43,6 +43,14 @@ ONNX_DOMAIN = "multimax"
 # TensorRT's ONNX parser finds a plugin by the node's op type; `plugin_name` repeats it for tools that
 # read the attribute, and `plugin_namespace` names the plugin's namespace for parsers that look it up.
 PLUGIN_VERSION = "1"
+PLUGIN_ATTRIBUTES = ("plugin_name", "plugin_version", "plugin_namespace")  # on every node, after its own
+
+
+def plugin_attrs(op: str) -> dict[str, str]:
+    """The TensorRT plugin attributes every custom-domain node carries (op: its op type)."""
+    return dict(zip(PLUGIN_ATTRIBUTES, (op, PLUGIN_VERSION, ONNX_DOMAIN), strict=True))
+
+
 # The other reweighting functions (issue 15, models.reweighting; contract: docs/REWEIGHTING.md): config name ->
 # masked op type; each also has `<op>NoMask` with input (x) only. Every op reduces over the last axis in fp32.
 REWEIGHTING_OPS: dict[str, str] = {

@@ -16,10 +16,10 @@ from __future__ import annotations
 import onnx
 from onnx import AttributeProto, helper
 
-from models.onnx_contract import ONNX_DOMAIN
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_ATTRIBUTES
 
 FUNCTION_NAMES = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
-ATTRIBUTES = ("ranges", "ts", "order", "plugin_name", "plugin_version", "plugin_namespace")
+ATTRIBUTES = ("ranges", "ts", "order", *PLUGIN_ATTRIBUTES)
 
 
 def _param_constant(name: str) -> onnx.NodeProto:

@@ -20,9 +20,14 @@ from typing import Any
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from models.onnx_contract import MASKED_BELOW, ONNX_DOMAIN, REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
+from models.onnx_contract import (
+    MASKED_BELOW,
+    ONNX_DOMAIN,
+    PLUGIN_ATTRIBUTES,
+    REWEIGHTING_ATTRIBUTES,
+    REWEIGHTING_OPS,
+)
 
-PLUGIN_ATTRIBUTES = ("plugin_name", "plugin_version", "plugin_namespace")
 _REF_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
               "eps": AttributeProto.FLOAT, "m": AttributeProto.FLOAT}  # fmt: skip
 _REF_VALUE = {

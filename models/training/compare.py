@@ -5,9 +5,9 @@ epochs, seed 0); each other function replaces the attention step and keeps plain
 softmax twin does. The two twins are not retrained: their numbers are the shipped checkpoints' (training time
 from models/demo/report.json), measured the same way. Training time is wall time (under whatever load the
 machine had) and the process's CPU time; the table's "step vs SoftMax" column comes from
-benchmarks.reweighting_train_cost, which times all functions side by side in one run. Each function's result is written to the
-results JSON as soon as it is done, so an interrupted run resumes where it stopped (a result with another recipe
-is redone).
+benchmarks.reweighting_train_cost, which times all functions side by side in one run. Each function's result is
+written to the results JSON as soon as it is done, so an interrupted run resumes where it stopped (a result with
+another recipe is redone).
 
 Attention metrics, on the held-out images, every layer and head: the paper's multi-modality M (definition 3.2)
 and sparsity S (3.3, reference s = the row's smallest softmax probability) with the threshold eps = the row mean

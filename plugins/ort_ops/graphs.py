@@ -11,7 +11,7 @@ from typing import Any
 
 from onnx import NodeProto, TensorProto, helper
 
-from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
+from models.onnx_contract import ONNX_DOMAIN, plugin_attrs
 from plugins.onnx_functions import function_protos
 from plugins.onnx_reweighting import reweighting_function_protos
 
@@ -34,9 +34,8 @@ def _node(op: str, inputs: list[str], output: str, ranges: Sequence[float], ts: 
     if op == "Softmax":
         return helper.make_node("Softmax", inputs[:1], [output], axis=-1)
     return helper.make_node(
-        op, inputs, [output], domain="multimax", ranges=list(ranges), ts=list(ts), order=order,
-        plugin_name=op, plugin_version="1", plugin_namespace="multimax",
-    )  # fmt: skip
+        op, inputs, [output], domain=ONNX_DOMAIN, ranges=list(ranges), ts=list(ts), order=order, **plugin_attrs(op)
+    )
 
 
 def op_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: int, shape: Shape = None) -> bytes:
@@ -48,10 +47,7 @@ def op_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: int, 
 
 def reweighting_node(op: str, inputs: list[str], output: str, attrs: Mapping[str, Any]) -> NodeProto:
     """One reweighting node as the contract spells it (op: a masked op type or its NoMask twin)."""
-    return helper.make_node(
-        op, inputs, [output], domain=ONNX_DOMAIN, plugin_name=op, plugin_version=PLUGIN_VERSION,
-        plugin_namespace=ONNX_DOMAIN, **attrs,
-    )  # fmt: skip
+    return helper.make_node(op, inputs, [output], domain=ONNX_DOMAIN, **plugin_attrs(op), **attrs)
 
 
 def reweighting_model(op: str, attrs: Mapping[str, Any], shape: Shape = None) -> bytes:
