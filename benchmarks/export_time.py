@@ -35,8 +35,8 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
+from export.fused_check import cpu_session
 from export.pipeline import ExportOptions, export_checkpoint
-from export.validate import cpu_session
 from models.checkpoint import load
 from models.cli import main as models_main
 from models.demo import DEMO_DIR, VISION_MULTIMAX

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from export import validate
-from export.fused_check import compare_fused
+from export.fused_check import compare_fused, cpu_session
 from export.onnx_export import export_text, export_vision
 from models.checkpoint import Checkpoint, load
 from models.deit import DeiT, DeiTConfig, set_paper_params
@@ -239,7 +239,7 @@ def test_deit_small_shaped_model_same_outputs_with_and_without(lib: ort_ops.Libr
     path = export_vision(model, Checkpoint("deit", config.to_dict(), model.state_dict()), tmp_path / "deit.onnx")
     assert fused_ops_ran(path) == {"MultiMaxNoMask", "MultiMaxSigma"}
     x = torch.randn(3, 3, 224, 224)
-    fused, bodies = validate.cpu_session(path), validate.cpu_session(path, fused=False)
+    fused, bodies = cpu_session(path), cpu_session(path, fused=False)
     got, want = fused.run(None, {VISION_INPUT: x.numpy()})[0], bodies.run(None, {VISION_INPUT: x.numpy()})[0]
     assert np.abs(got - want).max() <= 1e-5
     with torch.no_grad():
@@ -256,7 +256,7 @@ def test_text_demo_same_logits_and_greedy_text_with_and_without(lib: ort_ops.Lib
     feeds = [validate._text_case(model, rng, past)[0] for past in (0, 5, 16)]  # prefill and decode, left padding
     report = compare_fused(path, feeds)
     assert report["in_use"] and report["max_abs_vs_function_bodies"] <= 1e-5 and not report["failures"]
-    fused, bodies = validate.cpu_session(path), validate.cpu_session(path, fused=False)
+    fused, bodies = cpu_session(path), cpu_session(path, fused=False)
     n_layer = model.config.n_layer
     for prompt in ([72, 101, 108, 108, 111], [84], list(range(40, 72))):
         text = validate.ort_greedy(fused, prompt, 24, n_layer)

@@ -9,8 +9,7 @@ import functools
 import json
 import shutil
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from service.app import create_app
 from service.config import Settings, load_settings
 from service.registry import load_version, scan
 from service.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
+from tests.test_service import started
 
 PIXELS = np.random.default_rng(0).uniform(-1, 1, (2, 1, 32, 32)).astype(np.float32)
 INFER = {"inputs": [{"name": "pixel_values", "shape": list(PIXELS.shape), "datatype": "FP32",
@@ -56,17 +56,6 @@ def model_dir(tmp_path: Path) -> Path:
 
 def _app(model_dir: Path, **kw: Any) -> FastAPI:
     return create_app(Settings(model_dir=model_dir, **kw))
-
-
-@asynccontextmanager
-async def started(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    runtimes = app.state.runtimes
-    runtimes.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield client
-    finally:
-        await runtimes.stop()
 
 
 async def _index(client: httpx.AsyncClient) -> dict[tuple[str, str], dict[str, str]]:
