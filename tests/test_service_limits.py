@@ -227,8 +227,10 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
 
     gate = threading.Event()  # held while the queue must stay full: a sleep alone races with the queueing
     gate.set()
+    computing = threading.Event()  # the worker has taken a batch
 
     def slow(x: np.ndarray) -> np.ndarray:
+        computing.set()
         time.sleep(0.6)
         gate.wait(timeout=60)
         return original(x)
@@ -247,8 +249,14 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
 
                 assert (await post()).status_code == 200  # one batch measured: 0.6 s
                 gate.clear()
-                busy = [asyncio.ensure_future(post()) for _ in range(3)]  # one computing (held), two queued
+                computing.clear()
+                # One computing (held), then two queued: sent together, the third could find the first still
+                # queued and be refused itself, leaving nothing computing and a shorter Retry-After.
+                busy = [asyncio.ensure_future(post())]
                 until = time.monotonic() + 30
+                while not computing.is_set() and time.monotonic() < until:
+                    await asyncio.sleep(0.01)
+                busy += [asyncio.ensure_future(post()) for _ in range(2)]
                 while rt.models["digits_multimax"].batcher.queued < 2:
                     if time.monotonic() >= until:  # say where the three requests are, so a failure explains itself
                         states = [f.result().status_code if f.done() and not f.exception() else
@@ -277,7 +285,7 @@ def test_429_is_answered_before_the_body_is_read_with_a_measured_retry_after() -
                          "root_path": "", "state": {}}
                 await app(scope, receive, send)
                 gate.set()
-                await asyncio.gather(*busy)
+                assert [r.status_code for r in await asyncio.gather(*busy)] == [200, 200, 200]
         finally:
             gate.set()
             await rt.stop()
