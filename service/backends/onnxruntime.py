@@ -28,27 +28,28 @@ from service.backends.probe import onnxruntime_providers
 log = logging.getLogger(__name__)
 
 
-def fused_ops_state(path: Path, options: ort.SessionOptions) -> dict[str, Any]:
+def fused_ops_state(proto: onnx.ModelProto | None, options: ort.SessionOptions) -> dict[str, Any]:
     """Register the fused MultiMax ops (plugins.ort_ops) when the model has multimax nodes; say whether."""
-    try:
-        needed = ort_ops.uses_multimax(path)
-    except Exception:  # unreadable here: the session's own load reports it
-        needed = False
-    if not needed:
+    if proto is None or not any(node.domain == ort_ops.DOMAIN for node in proto.graph.node):
         return {"in_use": False, "reason": "the model has no multimax nodes"}
     if ort_ops.register(options):
         return {"in_use": True, "kernel_path": ort_ops.kernel_path()}
     return {"in_use": False, "reason": ort_ops.library().reason}
 
 
-def _refuse_bad_attributes(path: Path) -> None:
+def _read_graph(path: Path) -> onnx.ModelProto | None:
+    """The file's graph without its external weights, or None where onnx cannot read it (the session's own
+    load then says why)."""
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return None
+
+
+def _refuse_bad_attributes(proto: onnx.ModelProto | None, path: Path) -> None:
     """A reweighting node the fused op would refuse at session creation fails in its function body only when
     run (on a GPU, or without the library): refuse the file at load instead, for every provider."""
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # unreadable here: the session's own load reports it
-        return
-    problems = attribute_problems(proto)
+    problems = [] if proto is None else attribute_problems(proto)
     if problems:
         raise BackendUnavailable(f"{path.name}: {'; '.join(problems[:3])}" + (" ..." if len(problems) > 3 else ""))
 
@@ -143,9 +144,11 @@ def OnnxRuntimeBackend(
         requested, why = providers, ""
     else:
         requested, why = onnxruntime_providers()
-    _refuse_bad_attributes(path)
+    proto = _read_graph(path)
+    _refuse_bad_attributes(proto, path)
     # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
-    fused = fused_ops_state(path, options) if list(requested) == ["CPUExecutionProvider"] else None
+    fused = fused_ops_state(proto, options) if list(requested) == ["CPUExecutionProvider"] else None
+    del proto  # the session holds its own copy
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=list(requested))
     except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
