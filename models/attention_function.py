@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from models import output_function
 from models.multimax import ExportAttrs, _export_node
 from models.onnx_contract import plugin_attrs
 from models.reweighting import spec
@@ -82,10 +83,11 @@ def make_attention_function(
 
 
 # ---- config fields shared by DeiTConfig and GPTConfig ------------------------------------------------
-# `attention_function` (None: MultiMax where `multimax_attention`, else softmax) and `attention_options`
-# (the function's hyperparameters, defaults filled in). Both are left out of `to_dict` when None, so
+# `attention_function` (None: MultiMax where `multimax_attention`, else softmax), `attention_options`
+# (the function's hyperparameters, defaults filled in) and `output_function` (models.output_function). All are
+# left out of `to_dict` when None, so
 # configs (and the files exported from them) that predate them read and write exactly as before.
-CONFIG_FIELDS = ("attention_function", "attention_options")
+CONFIG_FIELDS = ("attention_function", "attention_options", "output_function")
 
 
 def normalise_config(config: Any) -> None:
@@ -95,6 +97,7 @@ def normalise_config(config: Any) -> None:
     two spellings of one model give one config; the others switch `multimax_attention` off and get their
     options checked and completed.
     """
+    output_function.normalise_config(config)
     name, options = config.attention_function, config.attention_options
     if name is None or name in BUILTIN:
         if options:

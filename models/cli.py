@@ -21,6 +21,7 @@ from models import deit, registry
 from models.describe import describe, format_text
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
+from models.output_function import OUTPUT_FUNCTIONS
 from models.reweighting import FUNCTIONS
 
 PLACES = ("attention", "output")
@@ -57,6 +58,9 @@ def add_function_args(p: argparse.ArgumentParser) -> None:
                    help="attention reweighting (default: MultiMax where --multimax has attention, else softmax)")
     p.add_argument("--attention-option", type=parse_option, action="append", default=[], metavar="KEY=NUMBER",
                    help="the function's hyperparameter, repeatable: k (topk_softmax), eps and m (length_scaled)")
+    p.add_argument("--output-function", choices=OUTPUT_FUNCTIONS,
+                   help="the output distribution instead of softmax (replaces MultiMax's output; trained with its "
+                   "own loss, without label smoothing)")
 
 
 def function_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,6 +72,8 @@ def function_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.attention_function:
         out["attention_function"] = args.attention_function
         out["attention_options"] = options or None
+    if getattr(args, "output_function", None):
+        out["output_function"] = args.output_function
     return out
 
 
@@ -118,9 +124,10 @@ def cmd_init(args: argparse.Namespace) -> int:
                               meta={"init": args.params, "seed": args.seed}, **arch.new_checkpoint_fields())
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     params = sum(p.numel() for p in model.parameters())
-    fn = config.attention_function
+    fn, out_fn = config.attention_function, config.output_function
     what = f"MultiMax {args.params} params" if config.multimax_attention or config.multimax_output else "no MultiMax"
-    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, {what}{f', attention {fn}' if fn else ''})")
+    what += (f", attention {fn}" if fn else "") + (f", output {out_fn}" if out_fn else "")
+    print(f"wrote {out} ({args.preset}, {params / 1e6:.2f}M parameters, {what})")
     return 0
 
 

@@ -66,6 +66,9 @@ class DeiTConfig:
     # Another reweighting for attention (models.reweighting: sparsemax, entmax15, ...; None: as multimax_attention)
     attention_function: str | None = None
     attention_options: dict[str, float] | None = None  # its hyperparameters (top-k's k; length-scaled eps, m)
+    # The output distribution when not softmax (models.output_function: sparsemax, entmax15, evsoftmax); the
+    # logits stay the model's output. Excludes MultiMax's output (multimax_output is turned off).
+    output_function: str | None = None
 
     def __post_init__(self) -> None:
         normalise_config(self)

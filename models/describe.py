@@ -9,6 +9,7 @@ from torch import nn
 from models import deit, gpt, registry
 from models.attention_function import function_name
 from models.checkpoint import Checkpoint, config_of
+from models.onnx_contract import output_function
 
 ORDER_NAMES = {"second": "second order", "first": "first order", "v2": "V2: affine t*x+b, then first order"}
 
@@ -41,6 +42,8 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
         },
         # the attention reweighting (models.reweighting): multimax, softmax or one of the others
         "attention": {"function": function_name(config), "options": config.attention_options or {}},
+        # the output distribution (models.output_function): softmax, multimax, sparsemax, entmax15 or evsoftmax
+        "output": output_function(config.to_dict()),
         "heads_from": info.get("heads_from", "config"),
         "parameters": sum(p.numel() for p in model.parameters()),
         "labels": ckpt.labels,
@@ -74,6 +77,7 @@ def format_text(d: dict[str, Any]) -> str:
         ("heads from", d["heads_from"]),
         ("multimax", multimax),
         ("attention", _function_text(d["attention"])),
+        ("output", d["output"]),
         ("parameters", f"{d['parameters']:,} ({d['parameters'] / 1e6:.2f}M)"),
         ("labels", label_text),
     ]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from models.gpt import GPT, KVCache
+from models.output_function import log_probabilities
 from models.tokenizer import ByteTokenizer
 
 
@@ -40,14 +41,24 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def as_output_logits(output_function: str | None, scaled: Tensor) -> Tensor:
+    """Logits whose softmax is the output function's distribution of `scaled` (its log: -inf where it gives 0),
+    so that top-k, top-p and the final softmax work on that distribution unchanged. Softmax: `scaled` itself."""
+    if output_function is None:
+        return scaled
+    return log_probabilities(output_function, scaled)
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    output_function: str | None = None,
 ) -> Tensor:
-    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy. `output_function`
+    (models.output_function) is the distribution drawn from, of logits / temperature, before top-k/top-p."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -56,7 +67,7 @@ def sample_next(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = as_output_logits(output_function, logits.float() / temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None and top_p < 1:
@@ -145,7 +156,7 @@ def generate(
     try:
         logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
         for step in range(budget):
-            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator, cfg.output_function)
             for row, tok in enumerate(next_ids.tolist()):
                 if done[row]:
                     continue
@@ -173,9 +184,10 @@ class NonFiniteLogits(ValueError):
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None,
-                 generator: torch.Generator, banned: Sequence[int] = ()) -> int:
+                 generator: torch.Generator, banned: Sequence[int] = (), output_function: str | None = None) -> int:
     """Token id from `logits` (V,); greedy for temperature 0 or top_p 0, and wherever sampling degenerates.
-    `banned` ids are never drawn (eos under `ignore_eos` / before `min_tokens`)."""
+    `banned` ids are never drawn (eos under `ignore_eos` / before `min_tokens`). `output_function` as in
+    `sample_next` (a banned token is masked out of it: the rest renormalised as the function does)."""
     if not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogits("the model produced non-finite logits for this sequence")
     if banned:
@@ -186,7 +198,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     scaled = logits.double() / temperature
     if not bool(torch.isfinite(scaled[logits > float("-inf")]).all()):
         return greedy  # temperature -> 0: the distribution tends to the argmax
-    scaled = scaled[None]
+    scaled = as_output_logits(output_function, scaled[None])
     if top_k is not None:
         scaled = top_k_filter(scaled, top_k)
     if top_p < 1:

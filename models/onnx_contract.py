@@ -93,6 +93,14 @@ def attention_function(config: Mapping[str, Any]) -> str:
     return "multimax" if config.get("multimax_attention", True) else "softmax"
 
 
+def output_function(config: Mapping[str, Any]) -> str:
+    """The output distribution a config dict uses: its `output_function`, else MultiMax or softmax."""
+    name = config.get("output_function")
+    if name:
+        return str(name)
+    return "multimax" if config.get("multimax_output", True) else "softmax"
+
+
 def past_names(n_layer: int) -> list[tuple[str, str]]:
     """(key, value) input names per layer."""
     return [(f"{PAST_PREFIX}{i}.key", f"{PAST_PREFIX}{i}.value") for i in range(n_layer)]

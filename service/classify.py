@@ -22,7 +22,7 @@ from service.batcher import BatchResult
 from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
-from service.runtime import VisionRuntime, softmax
+from service.runtime import VisionRuntime, output_probabilities
 from service.tracing import phase
 from service.vision import Preprocess, load_and_preprocess
 
@@ -204,7 +204,7 @@ async def classify(name: str, request: Request) -> Response:
                 f.cancel()  # client gone or a sibling chunk failed: drop what has not started (no-op when done)
         results = cast(list[BatchResult], done if isinstance(done, list) else [done])
         call.timing(max(r.queue_s for r in results), max(r.compute_s for r in results))
-        probs = softmax(np.concatenate([r.output for r in results]))
+        probs = output_probabilities(rt.output_function, np.concatenate([r.output for r in results]))
         if not np.isfinite(probs).all():
             raise non_finite_error("probabilities")
         with phase("encode"):

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from models.generate import NonFiniteLogits, sample_token, stop_match
+from models.output_function import ZERO_LOGPROB, log_probabilities
 from models.tokenizer import ByteTokenizer
 from service import kvcache
 from service.backends.base import Past, TextModel
@@ -66,8 +67,9 @@ TopLogprobs = dict[int, float]  # token id -> logprob
 
 @dataclass
 class TokenLogprobs:
-    """Raw model logprobs (log_softmax of the logits, before temperature/top-k/top-p and the eos ban) of
-    chosen tokens, with the `top` most likely alternatives of each position."""
+    """Raw model logprobs (log of the model's output distribution, softmax or its `output_function`, before
+    temperature/top-k/top-p and the eos ban) of chosen tokens, with the `top` most likely alternatives of each
+    position. A token the distribution gives exactly 0 has models.output_function.ZERO_LOGPROB."""
 
     chosen: list[float | None] = field(default_factory=list)
     top: list[TopLogprobs | None] = field(default_factory=list)
@@ -79,10 +81,12 @@ class TokenLogprobs:
         del self.chosen[n:], self.top[n:]
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, TopLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token: int, top: int, output_function: str | None = None
+) -> tuple[float, TopLogprobs]:
     """The raw logprob of `token` under `logits` (V,), and the `top` best alternatives (the chosen token added
     when it is not among them, as vLLM does)."""
-    lp = torch.log_softmax(logits.double(), -1)
+    lp = log_probabilities(output_function, logits.double()).clamp(min=ZERO_LOGPROB)  # no -inf into the JSON
     alternatives: TopLogprobs = {}
     if top:
         values, ids = torch.topk(lp, min(top, lp.shape[-1]))
@@ -200,8 +204,10 @@ class TextScheduler:
         metrics: Metrics,
         max_running: int,
         max_waiting: int,
+        output_function: str | None = None,
     ) -> None:
         self.model = model
+        self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
         self.backend = backend
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -535,7 +541,8 @@ class TextScheduler:
             raise NonFiniteLogits("the model produced non-finite logits for this prompt")
         out = TokenLogprobs([None], [None])
         for j in range(1, len(seq.prompt)):
-            chosen, top = token_logprobs(rows[offset + j - 1], seq.prompt[j], seq.params.logprobs or 0)
+            chosen, top = token_logprobs(rows[offset + j - 1], seq.prompt[j], seq.params.logprobs or 0,
+                                         self.output_function)
             out.chosen.append(chosen)
             out.top.append(top)
         return out
@@ -568,14 +575,15 @@ class TextScheduler:
                 continue
             banned = (tok.eos_id,) if p.ignore_eos or row.generated < p.min_tokens else ()
             try:
-                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned)
+                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned,
+                                     self.output_function)
             except Exception as exc:  # this row's numbers went bad: it ends, its batch-mates go on
                 updates.append(self._failed(row, exc))
                 continue
             row.last = token
             row.generated += 1
             if p.wants_logprobs:
-                chosen, top = token_logprobs(logits[i], token, p.logprobs or 0)
+                chosen, top = token_logprobs(logits[i], token, p.logprobs or 0, self.output_function)
                 row.cumulative_logprob += chosen
             if token == tok.eos_id:
                 row.finish_reason = "stop"

@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function
+from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
@@ -143,6 +143,7 @@ async def model_metadata(name: str, request: Request, version: str | None = None
     if fused is not None:
         body["fused_multimax"] = fused  # an extension field; V2 clients ignore what they do not know
     body["attention_function"] = attention_function(rt.entry.config)  # extension, as in /v1/models
+    body["output_function"] = output_function(rt.entry.config)  # extension: the outputs are the logits before it
     return _json(body)
 
 

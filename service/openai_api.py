@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
-from models.onnx_contract import attention_function
+from models.onnx_contract import attention_function, output_function
 from service import choices
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
@@ -56,6 +56,9 @@ class ModelCard(BaseModel):
     # config (the ONNX file's metadata), and that function's options (top-k's k, ...).
     attention_function: str | None = None
     attention_options: dict[str, Any] | None = None
+    # The output distribution (models.output_function: softmax, multimax, sparsemax, entmax15, evsoftmax):
+    # what classification probabilities, sampling and logprobs are taken from.
+    output_function: str | None = None
 
 
 class ModelList(BaseModel):
@@ -137,7 +140,8 @@ def model_card(rt: ModelRuntime, versions: list[int]) -> ModelCard:
                      fused_multimax=entry.backend.describe().get("fused_multimax"), version=str(entry.version),
                      versions=[str(v) for v in versions],
                      attention_function=attention_function(entry.config),
-                     attention_options=entry.config.get("attention_options"))
+                     attention_options=entry.config.get("attention_options"),
+                     output_function=output_function(entry.config))
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")

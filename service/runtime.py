@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
+import torch
 
+from models.output_function import probabilities
 from models.registry import TEXT, VISION, Task
 from models.tokenizer import ByteTokenizer
 from service.backends.base import TextBackend, VisionBackend
@@ -29,6 +31,13 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=-1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def output_probabilities(output_function: str | None, logits: np.ndarray) -> np.ndarray:
+    """The model's output distribution (models.output_function; softmax when None) of a batch of logits."""
+    if output_function is None:
+        return softmax(logits)
+    return probabilities(output_function, torch.from_numpy(np.ascontiguousarray(logits))).numpy()
 
 
 class _Runtime:
@@ -86,12 +95,13 @@ class VisionRuntime(_Runtime):
         self.backend: VisionBackend = entry.backend
         self.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
         self.labels: list[str] = entry.labels or []
+        self.output_function: str | None = entry.config.get("output_function")
         self.batcher = self.worker = DynamicBatcher(entry.name, self.predict, executor, metrics,
                                                     settings.max_batch_size, settings.max_queue_delay_ms / 1000,
                                                     settings.max_queue_size)
 
     def predict(self, pixel_values: np.ndarray) -> np.ndarray:
-        """The batch's logits (float32); classification turns them into probabilities with `softmax`."""
+        """The batch's logits (float32); classification turns them into probabilities (`output_probabilities`)."""
         return self.backend.run_vision(pixel_values).astype(np.float32, copy=False)
 
 
@@ -107,7 +117,8 @@ class TextRuntime(_Runtime):
         self.context_length: int = entry.context_length
         self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
                                                      executor, metrics, settings.max_running_sequences,
-                                                     settings.max_waiting_sequences)
+                                                     settings.max_waiting_sequences,
+                                                     output_function=entry.config.get("output_function"))
 
 
 ModelRuntime = VisionRuntime | TextRuntime

@@ -135,7 +135,7 @@ def compare(
         if name in SHIPPED and not retrain_twins:
             entry = _shipped(name, x_test, y_test)
         else:
-            kwargs = {"epochs": epochs} if epochs else {}
+            kwargs: dict[str, Any] = {"epochs": epochs} if epochs else {}
             function = None if name in SHIPPED else name
             cpu = time.process_time()  # CPU time: far less sensitive than wall time to the shared machine's load
             result = train_vision(

@@ -22,6 +22,8 @@ from tqdm import tqdm
 
 from models.generate import generate
 from models.gpt import GPT, GPTConfig
+from models.output_function import loss as output_loss
+from models.output_function import probabilities as output_probabilities
 from models.tokenizer import ByteTokenizer
 
 # Tests and vendored packages are skipped: repetitive, and not part of every install.
@@ -79,28 +81,51 @@ def _as_tensor(text: str) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-@torch.no_grad()
-def bits_per_byte(model: GPT, data: torch.Tensor, seq_len: int | None = None, batch_size: int = 16) -> float:
-    """Mean next-byte cross-entropy (nats) / ln 2 over `data` (1-D ids), in consecutive windows.
-
-    Windows share their boundary id, so every id after the first is predicted exactly once.
-    """
-    seq_len = seq_len or model.config.block_size
-    was_training = model.training
-    model.eval()
+def _heldout_batches(data: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Tensor]:
+    """Consecutive windows of seq_len + 1 ids sharing their boundary id (every id after the first is predicted
+    exactly once), batched, the shorter tail last."""
     n_full = (len(data) - 1) // seq_len
     windows = [data[s:s + seq_len + 1] for s in range(0, n_full * seq_len, seq_len)]
     batches = [torch.stack(windows[i:i + batch_size]) for i in range(0, n_full, batch_size)]
     tail = data[n_full * seq_len:]
     if len(tail) > 1:
         batches.append(tail[None])
+    return batches
+
+
+@torch.no_grad()
+def bits_per_byte(model: GPT, data: torch.Tensor, seq_len: int | None = None, batch_size: int = 16) -> float:
+    """Mean next-byte cross-entropy (nats) / ln 2 over `data` (1-D ids), in consecutive windows."""
+    was_training = model.training
+    model.eval()
     total_nats, count = 0.0, 0
-    for batch in batches:
+    for batch in _heldout_batches(data, seq_len or model.config.block_size, batch_size):
         logits, _ = model(batch[:, :-1])
         total_nats += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
         count += batch[:, 1:].numel()
     model.train(was_training)
     return total_nats / max(count, 1) / math.log(2)
+
+
+@torch.no_grad()
+def heldout_output_stats(model: GPT, data: torch.Tensor, seq_len: int | None = None, batch_size: int = 16) -> dict:
+    """For a sparse output function: its loss on `data` (nats, models.output_function.loss), the share of bytes it
+    gives probability 0, and the mean support size (tokens with p > 0) per position."""
+    was_training = model.training
+    model.eval()
+    name = model.config.output_function
+    total, zeros, support, count = 0.0, 0, 0.0, 0
+    for batch in _heldout_batches(data, seq_len or model.config.block_size, batch_size):
+        logits, _ = model(batch[:, :-1])
+        flat, targets = logits.flatten(0, 1).float(), batch[:, 1:].flatten()
+        probs = output_probabilities(name, flat)
+        total += output_loss(name, flat, targets).item() * len(targets)
+        zeros += int((probs.gather(1, targets[:, None]) == 0).sum())
+        support += float((probs > 0).sum())
+        count += len(targets)
+    model.train(was_training)
+    n = max(count, 1)
+    return {"heldout_loss": total / n, "heldout_zero_prob_share": zeros / n, "heldout_output_support": support / n}
 
 
 def _lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -189,7 +214,7 @@ def train_text(
             offsets = torch.randint(0, seq_len - length + 1, (rows, 1), generator=data_gen)
             position_ids = offsets + torch.arange(length)
         logits, _ = model(batch[:, :-1], position_ids=position_ids)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = output_loss(cfg.output_function, logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -200,7 +225,10 @@ def train_text(
     train_seconds = time.perf_counter() - train_start
 
     model.eval()
-    heldout_bpb = bits_per_byte(model, held_data, seq_len=seq_len)
+    # A sparse output gives some held-out bytes probability 0 (infinite NLL): its loss and that share instead.
+    sparse = cfg.output_function is not None
+    heldout = heldout_output_stats(model, held_data, seq_len) if sparse else {}
+    heldout_bpb = None if sparse else bits_per_byte(model, held_data, seq_len=seq_len)
     samples = []
     for i, prompt in enumerate(SAMPLE_PROMPTS[:n_samples]):
         room = max(0, seq_len - len(tok.encode(prompt)))
@@ -212,8 +240,9 @@ def train_text(
         "tokenizer": tok.to_dict(),
         "metrics": {
             "heldout_bpb": heldout_bpb,
-            "train_loss": loss_ema,  # smoothed (EMA) training loss in nats
-            "train_bpb": None if loss_ema is None else loss_ema / math.log(2),
+            **heldout,
+            "train_loss": loss_ema,  # smoothed (EMA) training loss in nats (the output function's own loss)
+            "train_bpb": None if loss_ema is None or sparse else loss_ema / math.log(2),
             "steps": steps,
             "seconds": time.perf_counter() - start,
             "train_seconds": train_seconds,

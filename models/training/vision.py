@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.deit import DeiT, DeiTConfig
+from models.output_function import loss as output_loss
+from models.output_function import probabilities as output_probabilities
 from models.training.digit_inputs import IMAGE_SIZE, variant_accuracies
 from models.training.optim import param_groups, warmup_cosine
 
@@ -31,9 +33,13 @@ DIGITS_PREPROCESS: dict[str, Any] = {
 
 
 def demo_config(
-    multimax: tuple[str, ...], attention_function: str | None = None, attention_options: dict[str, Any] | None = None
+    multimax: tuple[str, ...],
+    attention_function: str | None = None,
+    attention_options: dict[str, Any] | None = None,
+    output_function: str | None = None,
 ) -> DeiTConfig:
-    """The digits DeiT; `attention_function` (models.reweighting) replaces its attention step's MultiMax/softmax."""
+    """The digits DeiT; `attention_function` (models.reweighting) replaces its attention step's MultiMax/softmax,
+    `output_function` (models.output_function) its output distribution."""
     return DeiTConfig(
         img_size=IMAGE_SIZE,
         patch_size=8,
@@ -49,6 +55,7 @@ def demo_config(
         multimax_output="output" in multimax,
         attention_function=attention_function,
         attention_options=attention_options,
+        output_function=output_function,
     )
 
 
@@ -113,6 +120,14 @@ def augment(digits8: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 @torch.no_grad()
+def output_support(model: DeiT, images: torch.Tensor) -> float:
+    """Mean number of classes the output distribution gives a non-zero probability (10 for softmax)."""
+    model.eval()
+    probs = output_probabilities(model.config.output_function, model(normalize(images)))
+    return float((probs > 0).sum(-1).float().mean())
+
+
+@torch.no_grad()
 def accuracy(model: DeiT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
     model.eval()
     correct = 0
@@ -133,12 +148,16 @@ def train_vision(
     progress: bool = True,
     attention_function: str | None = None,
     attention_options: dict[str, Any] | None = None,
+    output_function: str | None = None,
 ) -> dict[str, Any]:
-    """Train from scratch; returns config, weights, labels, preprocessing and held-out metrics."""
+    """Train from scratch; returns config, weights, labels, preprocessing and held-out metrics.
+
+    With an `output_function` the loss is its own (models.output_function.loss), without label smoothing."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     x_train, y_train, x_test, y_test = digits_8x8_split(seed)
-    config = demo_config(multimax, attention_function, attention_options)
+    config = demo_config(multimax, attention_function, attention_options, output_function)
+    smoothing = 0.1 if output_function is None else 0.0  # the sparse outputs' losses take integer labels
     model = DeiT(config)
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999))
     steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
@@ -147,6 +166,7 @@ def train_vision(
     scheduler = warmup_cosine(optimizer, warmup=min(5, max(1, epochs // 4)) * steps_per_epoch, total=total)
     start = time.perf_counter()
     what = attention_function or "+".join(multimax) or "softmax"
+    what += f", output {output_function}" if output_function else ""
     bar = tqdm(total=total, desc=f"digits {what}", disable=not progress, unit="step")
     loss_value = float("nan")
     for _ in range(epochs):
@@ -155,7 +175,7 @@ def train_vision(
         for i in range(steps_per_epoch):
             idx = order[i * batch_size : (i + 1) * batch_size]
             logits = model(normalize(augment(x_train[idx], generator)))
-            loss = F.cross_entropy(logits, y_train[idx], label_smoothing=0.1)
+            loss = output_loss(output_function, logits, y_train[idx], label_smoothing=smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -177,6 +197,7 @@ def train_vision(
             "train_accuracy": accuracy(model, upscale(x_train), y_train),
             "final_loss": loss_value,
             "heldout_examples": len(y_test),
+            **({"heldout_output_support": output_support(model, upscale(x_test))} if output_function else {}),
             "epochs": epochs,
             "seconds": round(seconds, 1),
             "seed": seed,
