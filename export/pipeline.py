@@ -135,6 +135,7 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         "precision": precision,
         "multimax_places": [p for p in ("attention", "output") if ckpt.config.get(f"multimax_{p}")],
         "attention_function": attention_function(ckpt.config),  # models.reweighting's name
+        "output_function": ckpt.config.get("output_function"),  # models.output_function's name, or None
         "inlined": options.inline,
         "export_seconds": round(phases.times[label], 2),
         "torch_threads": torch.get_num_threads(),

@@ -11,6 +11,12 @@ from export.tasks import export_task
 
 def multimax_line(report: dict) -> str:
     """What the graph holds, said plainly (a model without MultiMax says so)."""
+    line = _graph_line(report)
+    output = report.get("output_function")
+    return f"{line}; output {output} (the graph outputs the logits it is taken of)" if output else line
+
+
+def _graph_line(report: dict) -> str:
     g, places = report["graph"], report["multimax_places"]
     function = report.get("attention_function")
     if function in (None, "multimax", "softmax"):
@@ -56,6 +62,13 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
             lines.append(
                 f"  {level:<17} max|diff| {s['max_abs']:.2e}  mean {s['mean_abs']:.2e}  p99 {s['p99_abs']:.2e}{kv}  "
                 f"top-1 agreement {s[top1]:.0%}  NaN {s['nan_count']}"
+            )
+        probs = v["ORT_ENABLE_ALL"].get("probabilities")
+        if probs:  # a sparse output function: the distribution the server returns, compared too
+            limit = f"limit {probs['limit']:g}" if probs["limit"] is not None else "reported, not enforced"
+            lines.append(
+                f"  {probs['function']} probabilities: max|diff| {probs['max_abs']:.2e} ({limit}), "
+                f"same support in {probs['support_agreement']:.0%} of rows"
             )
         if "greedy" in v:
             gen = v["greedy"]

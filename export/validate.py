@@ -19,6 +19,7 @@ from models import registry
 from models.generate import generate
 from models.gpt import GPT
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
+from models.output_function import probabilities as output_probabilities
 from plugins.onnx_reweighting import attribute_problems
 
 LOGITS_ATOL = 1e-4
@@ -148,8 +149,10 @@ def validate_vision(
         with phases.phase(f"onnxruntime {name}", total=samples, unit="image") as bar:
             session = cpu_session(path, level)
             diffs, rels, agree, nans = [], [], 0, 0
+            pairs: list[tuple[np.ndarray, np.ndarray]] = []
             for feed, ref in zip(feeds, refs, strict=True):
                 out = session.run([VISION_OUTPUT], feed)[0]
+                pairs.append((out, ref))
                 if name == FUSED_LEVEL and len(fused_outputs) < len(fused_feeds):
                     fused_outputs.append([out])
                 nans += int(np.isnan(out).sum())
@@ -160,6 +163,9 @@ def validate_vision(
                 bar.update(len(ref))
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
+        if config.get("output_function"):
+            report[name]["probabilities"], bad = probability_stats(config["output_function"], pairs, tolerance, name)
+            failures += bad
     with phases.phase("fused ops vs function bodies"):
         report["fused_ops"] = compare_fused(
             path, fused_feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol
@@ -168,6 +174,30 @@ def validate_vision(
     report["failures"] = failures
     report["passed"] = not failures
     return report
+
+
+def probability_stats(
+    output_function: str, pairs: list[tuple[np.ndarray, np.ndarray]], tolerance: Tolerance, level: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The served distribution (models.output_function) of onnxruntime's logits against PyTorch's: the largest
+    probability difference and the share of rows whose support (the entries above 0) is the same.
+
+    Enforced for the continuous functions (SparseMax, EntMax-1.5: within the logits' limit); Ev-SoftMax's cut at
+    the row mean can drop a class whose logit sits at the mean in one runtime, so it is reported only."""
+    diff, same, rows = 0.0, 0, 0
+    for out, ref in pairs:
+        p = output_probabilities(output_function, torch.from_numpy(out).double().reshape(-1, out.shape[-1]))
+        q = output_probabilities(output_function, torch.from_numpy(ref).double().reshape(-1, ref.shape[-1]))
+        diff = max(diff, float((p - q).abs().max()))
+        same += int(((p > 0) == (q > 0)).all(-1).sum())
+        rows += p.shape[0]
+    stats = {"function": output_function, "max_abs": diff, "support_agreement": same / max(rows, 1)}
+    enforced = output_function in ("sparsemax", "entmax15") and tolerance.logits_atol is not None
+    stats["limit"] = tolerance.logits_atol if enforced else None
+    failures = []
+    if enforced and not diff <= float(tolerance.logits_atol or 0):
+        failures.append(f"{level}: {output_function} probabilities max abs diff {diff:.3g} > {tolerance.logits_atol}")
+    return stats, failures
 
 
 def fused_atol(tolerance: Tolerance) -> float | None:
@@ -269,8 +299,10 @@ def validate_text(
             logit_rels: list[np.ndarray] = []
             kv_diffs: list[np.ndarray] = []
             nans, agree, rows = 0, 0, 0
+            pairs = []
             for feed, refs in cases:
                 outs = session.run(output_names, feed)
+                pairs.append((outs[0], refs[0]))
                 if name == FUSED_LEVEL and len(fused_outputs) < FUSED_CHECK_TEXT_FEEDS:
                     fused_outputs.append(outs)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)
@@ -286,6 +318,9 @@ def validate_text(
             "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
         }
         failures += _failures(name, report[name], tolerance, "next_token_agreement")
+        if model.config.output_function:
+            report[name]["probabilities"], bad = probability_stats(model.config.output_function, pairs, tolerance, name)
+            failures += bad
     identical = 0
     with phases.phase("greedy generation", total=prompts, unit="prompt") as bar:
         session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
