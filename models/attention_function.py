@@ -9,6 +9,7 @@ or `<Op>NoMask` (without) carrying the contract's attributes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ class AttentionFunction(nn.Module):
 
     offset: Tensor
     log_scale: Tensor
+    # A fused implementation, fn(name, scores, mask, **params) -> weights, that inference on CUDA calls instead
+    # of the reference (set by plugins.reweight_op.use_fused_kernels; None here: models never import plugins).
+    fused: Callable[..., Tensor] | None = None
 
     def __init__(self, name: str, num_heads: int, options: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -60,6 +64,8 @@ class AttentionFunction(nn.Module):
         if frozen is not None and torch.onnx.is_in_onnx_export():
             op = self.spec.op_types[0 if mask is not None else 1]
             return _export_node(op, scores, mask, {**frozen, **plugin_attrs(op)})
+        if self.fused is not None and scores.is_cuda and not torch.is_grad_enabled():
+            return self.fused(self.name, scores, mask, **self.params())
         half = scores.dtype in (torch.float16, torch.bfloat16)
         y = scores.float() if half else scores  # fp32 like the exported node
         fn = self.spec.fn

@@ -81,3 +81,86 @@ def test_every_function_compiles_for_a_gpu() -> None:
     NameError there), so each function, masked and not, is compiled to PTX for sm_80 too (no GPU needed)."""
     done = json.loads(_child(COMPILE, interpret=False).stdout.strip().splitlines()[-1])
     assert len(done) == 14 and all(ptx for _, _, ptx in done), done
+
+
+# --- the PyTorch custom op (plugins.reweight_op) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["sparsemax", "entmax15", "evsoftmax", "topk_softmax", "gaussian", "laplacian",
+                                "length_scaled"])
+def test_custom_op_on_cpu_is_the_reference_and_compiles_whole(fn: str) -> None:
+    """CPU runs the reference; torch.compile(fullgraph=True) keeps the op as one node (no graph break), with the
+    same numbers; opcheck validates the registration (fake, schema, dispatch)."""
+    import torch
+
+    from models import reweighting as rw
+    from plugins.reweight_kernel_cases import ATTRS
+    from plugins.reweight_op import reweight, reweight_op
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 7, generator=g) * 3
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(1, 1, 5, 7).masked_fill(torch.rand(1, 1, 5, 7, generator=g) < 0.3, low)
+    attrs = ATTRS.get(fn, {})
+    kw = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in attrs.items()}
+    reference = rw.FUNCTIONS[fn].fn
+    assert reference is not None
+    for m in (None, mask):
+        assert torch.equal(reweight(fn, x, m, **attrs), reference(x, m, -1, **kw))
+    half = reweight(fn, x.half(), mask, **attrs)
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), reference(x.half().float(), mask, -1, **kw),
+                                                          atol=1e-3)
+
+    def f(a: torch.Tensor, mm: torch.Tensor) -> torch.Tensor:
+        return reweight(fn, a * 0.5, mm, **attrs) + 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, mask), f(x, mask), rtol=0, atol=1e-6)
+    params = torch.tensor([*attrs.get("offset", []), *attrs.get("scale", [])])
+    torch.library.opcheck(reweight_op, (x, params, fn, int(attrs.get("k", 8)), 0.1, 0.0, mask))
+
+
+def test_attention_function_runs_the_op_only_on_cuda_at_inference() -> None:
+    """use_fused_kernels sets every AttentionFunction; on the CPU (and in training) the reference still runs."""
+    import torch
+
+    from models.gpt import GPT, GPTConfig
+    from plugins.reweight_op import use_fused_kernels
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_preset("gpt-nano", attention_function="gaussian")).eval()
+    ids = torch.randint(0, 200, (2, 9))
+    with torch.no_grad():
+        before, _ = model(ids)
+    calls: list[str] = []
+
+    def recording(name: str, *args: object, **kw: object) -> torch.Tensor:
+        calls.append(name)
+        raise AssertionError("the fused kernel must not run on the CPU")
+
+    assert use_fused_kernels(model) == 2
+    for module in model.modules():
+        if getattr(module, "fused", None) is not None:
+            module.fused = recording
+    with torch.no_grad():
+        after, _ = model(ids)
+    assert torch.equal(before, after) and not calls
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_custom_op_matches_the_reference_per_function() -> None:
+    import torch
+
+    from models import reweighting as rw
+    from plugins.reweight_kernel_cases import ATTRS
+    from plugins.reweight_op import reweight
+
+    x = torch.randn(2, 3, 64, 64, device="cuda") * 3
+    mask = torch.zeros(1, 1, 64, 64, device="cuda").masked_fill(
+        torch.ones(64, 64, device="cuda", dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    for fn in rw.OTHER_FUNCTIONS:
+        attrs = ATTRS.get(fn, {})
+        kw = {k: torch.tensor(v, device="cuda") if isinstance(v, list) else v for k, v in attrs.items()}
+        reference = rw.FUNCTIONS[fn].fn
+        assert reference is not None
+        torch.testing.assert_close(reweight(fn, x, mask, **attrs), reference(x, mask, -1, **kw), atol=1e-5, rtol=0)

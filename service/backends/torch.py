@@ -16,6 +16,7 @@ from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
 from models.gpt import GPTConfig, KVCache
 from models.loading import CheckpointError, check_keys
+from plugins.reweight_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
 
@@ -49,6 +50,8 @@ class _TorchBackend(Backend):
         self.path, self.checkpoint, self.device = path, ckpt, device
         self.arch = ckpt.arch
         self.model = model.to(device).eval()
+        # On a GPU the other reweighting functions run their Triton kernel (a custom op torch.compile keeps whole).
+        self.fused_reweighting = use_fused_kernels(self.model) if device.type == "cuda" else 0
         self.compiled = compile
         # dynamic=True: batch size and sequence length change from call to call; one graph serves all.
         self.forward: Callable[..., Any] = torch.compile(self.model, dynamic=True) if compile else self.model
@@ -65,7 +68,10 @@ class _TorchBackend(Backend):
         """Compile now (a first request would otherwise wait for it, or fail on a machine without a compiler)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+        out: dict[str, Any] = {"backend": self.kind, "provider": self.provider, "file": self.path.name}
+        if self.fused_reweighting:  # attention layers whose reweighting runs the Triton kernel
+            out["fused_reweighting_layers"] = self.fused_reweighting
+        return out
 
 
 class TorchVisionBackend(_TorchBackend, VisionBackend):
