@@ -120,6 +120,42 @@ def op_rows(device: torch.device, compile_backend: str) -> list[Row]:
     ]
 
 
+def reweight_rows(device: torch.device) -> list[Row]:
+    """The other reweighting functions' kernel (plugins.reweight_kernel) against models.reweighting: one row per
+    function over its cases (plugins.reweight_kernel_cases: lengths, masks, ties, per-head parameters, fp16)."""
+    from plugins.reweight_kernel_cases import run_cases
+
+    worst: dict[str, tuple[float, float, bool]] = {}
+    for case, r in run_cases(device=device.type).items():
+        fn = case.rsplit("-", 3)[0]
+        diff, tol, finite = worst.get(fn, (0.0, 0.0, True))
+        worst[fn] = (max(diff, r["diff"] / r["tol"]), tol, finite and r["finite"])
+    return [Row("reweight kernel", f"{fn} (all cases)", f"{d:.2f} of its limit", "fp32 1e-6, fp16 1e-3",
+                d <= 1 and finite) for fn, (d, _, finite) in worst.items()]  # fmt: skip
+
+
+def reweight_op_rows(device: torch.device, compile_backend: str) -> list[Row]:
+    """torch.ops.multimax_serve.reweight eagerly and under torch.compile(fullgraph=True), per-head Gaussian."""
+    from models.reweighting import gaussian
+    from plugins.reweight_op import reweight
+
+    x = torch.randn(2, 3, 16, 16, device=device) * 3
+    mask = _causal_mask(16, 16, device)
+    attrs = {"offset": [0.1, -0.3, 0.5], "scale": [0.5, 1.0, 2.0]}
+    ref = gaussian(x, mask, -1, offset=torch.tensor(attrs["offset"], device=device),
+                   scale=torch.tensor(attrs["scale"], device=device))  # fmt: skip
+    eager = float((reweight("gaussian", x, mask, **attrs) - ref).abs().max())
+    compiled_fn = torch.compile(lambda a, m: reweight("gaussian", a, m, **attrs), fullgraph=True,
+                                backend=compile_backend)  # fmt: skip
+    compiled = float((compiled_fn(x, mask) - ref).abs().max())
+    where = "Triton kernel" if device.type == "cuda" else "CPU reference"
+    return [
+        Row("reweight op", f"gaussian eager ({where})", f"{eager:.2e}", f"{FP32_TOL:.0e}", eager <= FP32_TOL),
+        Row("reweight op", f"gaussian torch.compile {compile_backend}", f"{compiled:.2e}", f"{FP32_TOL:.0e}",
+            compiled <= FP32_TOL),
+    ]  # fmt: skip
+
+
 def aot_rows(archs: list[int], in_process: bool) -> list[Row]:
     """Ahead-of-time PTX + cubin (what the TensorRT plugin embeds) for each compute capability."""
     if in_process:
@@ -280,6 +316,24 @@ def bench_rows(shape: tuple[int, ...]) -> list[Row]:
     return rows
 
 
+def reweight_bench_rows(shape: tuple[int, ...]) -> list[Row]:
+    """Each reweighting function's kernel against its eager PyTorch reference and against torch.softmax (fp32)."""
+    from models import reweighting as rw
+    from plugins.reweight_kernel import fused_reweight
+
+    x = torch.randn(shape, device="cuda") * 3
+    plain = _bench(partial(torch.softmax, x, dim=-1))
+    rows = []
+    for fn in rw.OTHER_FUNCTIONS:
+        reference = rw.FUNCTIONS[fn].fn
+        assert reference is not None
+        fused = _bench(partial(fused_reweight, fn, x))
+        eager = _bench(partial(reference, x, None, -1))
+        rows.append(Row("time reweight", f"{fn} {'x'.join(map(str, shape))} fp32", f"{fused * 1e3:.1f} us",
+                        f"eager/fused {eager / fused:.2f}x, fused/softmax {fused / plain:.2f}", None))  # fmt: skip
+    return rows
+
+
 def print_table(rows: list[Row], skipped: list[tuple[str, str]], device: str) -> None:
     headers = ("check", "case", "result", "limit / note", "status")
     cells = [headers] + [(r.check, r.case, r.value, r.limit, r.status) for r in rows]
@@ -311,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     if gpu or interpreting():
         lengths = (1, 7, 197, 1024, 4099)
         rows += kernel_rows(device, lengths, rows=8 if gpu else 2)
+        rows += reweight_rows(device)
     else:
         skipped.append(("fused kernel", "no GPU and triton was imported before TRITON_INTERPRET=1 could be set"))
     rows += op_rows(device, "inductor" if gpu else "aot_eager")
+    rows += reweight_op_rows(device, "inductor" if gpu else "aot_eager")
     if args.no_aot:
         skipped.append(("ahead-of-time compile", "--no-aot"))
     else:
@@ -335,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         skipped.append(("timings", "--no-bench"))
     else:
         rows += bench_rows(DEIT_SMALL)
+        rows += reweight_bench_rows(DEIT_SMALL)
     print_table(rows, skipped, name)
     return 1 if any(r.ok is False for r in rows) else 0
 
