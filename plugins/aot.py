@@ -21,8 +21,9 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from plugins.kernel import TILE_ELEMENTS, LaunchConfig, choose_config
+from plugins.kernel import MAX_BLOCK_L, TILE_ELEMENTS, LaunchConfig, choose_config
 
 OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 TRITON_DTYPES = ("fp32", "fp16", "bf16")
@@ -78,9 +79,83 @@ class KernelSpec:
         return choose_config(self.n_cols, self.tile_elements)
 
 
+MAX_HEADS = 64  # per-head Gaussian/Laplacian values baked into one kernel (a where-chain over the heads)
+
+
+@dataclass(frozen=True)
+class ReweightSpec:
+    """Everything baked into one compiled kernel of the other reweighting functions (plugins.reweight_kernel):
+    the op type (models.onnx_contract, masked or NoMask) and its node attributes as constants."""
+
+    op: str
+    dtype: str = "fp32"
+    mask_dtype: str | None = None  # masked ops only; None: same as dtype
+    k: int = 8
+    eps: float = 0.1
+    m: float = 0.0
+    offset: tuple[float, ...] = (0.0,)
+    scale: tuple[float, ...] = (1.0,)
+    n_cols: int | None = None  # static row length, None when the axis is dynamic
+
+    def __post_init__(self) -> None:
+        from models.onnx_contract import REWEIGHTING_OPS
+
+        bases = {op: fn for fn, op in REWEIGHTING_OPS.items()}
+        if self.op.removesuffix("NoMask") not in bases:
+            raise ValueError(f"unknown reweighting op {self.op!r}; expected one of {sorted(bases)} (+ NoMask)")
+        for name in ("dtype", "mask_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in TRITON_DTYPES:
+                raise ValueError(f"{name} must be one of {TRITON_DTYPES}, got {value!r}")
+        if int(self.k) < 1 or not 0.0 < self.eps < 1.0 or self.m < 0:
+            raise ValueError(f"need k >= 1, eps in (0, 1), m >= 0; got k={self.k}, eps={self.eps}, m={self.m}")
+        offset, scale = tuple(float(v) for v in self.offset), tuple(float(v) for v in self.scale)
+        if not offset or len(offset) != len(scale) or len(offset) > MAX_HEADS:
+            raise ValueError(f"offset and scale need the same length, 1 to {MAX_HEADS}; got {len(offset)}, "
+                             f"{len(scale)}")  # fmt: skip
+        if not all(s > 0 for s in scale):
+            raise ValueError("every scale must be > 0")
+        if self.n_cols is not None and self.n_cols > MAX_BLOCK_L:
+            raise ValueError(f"rows of {self.n_cols} > {MAX_BLOCK_L} entries do not fit one program")
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "k", int(self.k))
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "m", float(self.m))
+
+    @property
+    def function(self) -> str:
+        from models.onnx_contract import REWEIGHTING_OPS
+
+        return {op: fn for fn, op in REWEIGHTING_OPS.items()}[self.op.removesuffix("NoMask")]
+
+    @property
+    def has_mask(self) -> bool:
+        return not self.op.endswith("NoMask")
+
+    @property
+    def per_head(self) -> bool:
+        return len(self.offset) > 1
+
+    @property
+    def scalar_args(self) -> tuple[str, ...]:
+        """The int32 kernel arguments a launcher passes, in order, between the inputs and the output."""
+        names = ["n_rows"] + (["n_cols"] if self.n_cols is None else [])
+        if self.has_mask:
+            names += ["n1", "n2", "ms0", "ms1", "ms2"]
+        if self.per_head:
+            names += ["rows_per_head", "heads"]
+        return tuple(names)
+
+    @property
+    def config(self) -> LaunchConfig:
+        # A whole row in one tile: a dynamic axis gets the widest tile (longer rows come out NaN, not cut).
+        return choose_config(self.n_cols, block_l=None if self.n_cols is not None else MAX_BLOCK_L)
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
-    spec: KernelSpec
+    spec: KernelSpec | ReweightSpec
     arch: int
     name: str
     ptx: str  # scratch parameters removed: exactly inputs, spec.scalar_args, output
@@ -119,6 +194,30 @@ def _signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
         "BLOCK_R": cfg.block_r,
         "BLOCK_L": cfg.block_l,
     }
+    for name in const:
+        sig[name] = "constexpr"
+    return sig, const
+
+
+def _reweight_signature(spec: ReweightSpec) -> tuple[dict[str, str], dict[str, object]]:
+    from plugins.reweight_kernel import FNS
+
+    cfg = spec.config
+    ptr = f"*{spec.dtype}"
+    sig: dict[str, str] = {"x_ptr": ptr, "mask_ptr": f"*{spec.mask_dtype or spec.dtype}", "off_ptr": "constexpr",
+                           "scale_ptr": "constexpr", "out_ptr": ptr}  # fmt: skip
+    sig |= {n: "i32" for n in ("n_rows", "n_cols", "n1", "n2", "ms0", "ms1", "ms2", "rows_per_head", "heads")}
+    const: dict[str, object] = {"off_ptr": None, "scale_ptr": None, "k": spec.k, "eps": spec.eps, "m_attr": spec.m}
+    if spec.n_cols is not None:
+        const["n_cols"] = spec.n_cols
+    if not spec.has_mask:
+        const |= {"mask_ptr": None, "n1": 1, "n2": 1, "ms0": 0, "ms1": 0, "ms2": 0}
+    if not spec.per_head:
+        const |= {"rows_per_head": 1, "heads": 1}
+    const |= {
+        "FN": FNS.index(spec.function), "HAS_MASK": spec.has_mask, "BLOCK_R": cfg.block_r, "BLOCK_L": cfg.block_l,
+        "PARAMS_IN_MEMORY": False, "OFFSETS": spec.offset, "SCALES": spec.scale,
+    }  # fmt: skip
     for name in const:
         sig[name] = "constexpr"
     return sig, const
@@ -174,30 +273,32 @@ def _assemble(ptx: str, arch: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=512)
-def compile_kernel(spec: KernelSpec, arch: int, ptx_version: int | None = None) -> CompiledKernel:
+def compile_kernel(spec: KernelSpec | ReweightSpec, arch: int, ptx_version: int | None = None) -> CompiledKernel:
     """Compile `spec` for compute capability `arch` (80 = sm_80, 90 = sm_90a, ...); no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from plugins.kernel import interpreting, multimax_kernel
+    from plugins.reweight_kernel import reweight_kernel
 
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs a process without TRITON_INTERPRET=1")
-    sig, const = _signature(spec)
-    names = multimax_kernel.arg_names
+    kernel = reweight_kernel if isinstance(spec, ReweightSpec) else multimax_kernel
+    sig, const = _reweight_signature(spec) if isinstance(spec, ReweightSpec) else _signature(spec)
+    names = kernel.arg_names
     # TensorRT hands plugins 256-byte aligned buffers and torch allocations are too: allow 16-byte vectors.
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("x_ptr", "mask_ptr", "out_ptr") if n not in const}
     version = ptx_version or MIN_PTX_VERSION.get(arch)
     options: dict[str, object] = {"num_warps": spec.config.num_warps, "enable_fp_fusion": False}
     if version is not None:
         options["ptx_version"] = version
-    src = ASTSource(fn=multimax_kernel, signature=sig, constexprs=const, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     meta = compiled.metadata
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, scratch, 0):
-            raise RuntimeError(f"the MultiMax kernel must not need Triton {scratch.replace('_', ' ')}")
+            raise RuntimeError(f"the {spec.op} kernel must not need Triton {scratch.replace('_', ' ')}")
     n_params = 1 + spec.has_mask + len(spec.scalar_args) + 1
     ptx = _strip_scratch_params(compiled.asm["ptx"], meta.name, n_params)
     return CompiledKernel(
@@ -234,6 +335,27 @@ def ci_specs(quick: bool = False) -> list[KernelSpec]:
     return [*specs, KernelSpec("MultiMax", "fp16", "fp32", ranges, ts, order=1, n_cols=None)]
 
 
+def reweight_ci_specs(quick: bool = False) -> list[ReweightSpec]:
+    """Every reweighting op, masked and not, with attributes like an export's (per-head for DeiT-small's 6 heads):
+    fp16 at DeiT's static 197 and fp32 on a dynamic axis; `quick`: the masked op of each function, dynamic."""
+    from models.onnx_contract import REWEIGHTING_ATTRIBUTES
+
+    heads = 6
+    values: dict[str, dict[str, object]] = {
+        "TopKSoftMax": {"k": 8}, "LengthScaledSoftMax": {"eps": 0.1, "m": 0.0},
+        "GaussianAttention": {"offset": (0.0,) * heads, "scale": (1.0,) * heads},
+        "LaplacianAttention": {"offset": (0.0,) * heads, "scale": (1.0,) * heads},
+    }  # fmt: skip
+    specs = []
+    for base in REWEIGHTING_ATTRIBUTES:
+        kw: dict[str, Any] = dict(values.get(base, {}))
+        for op in (base,) if quick else (base, base + "NoMask"):
+            specs.append(ReweightSpec(op, "fp32", n_cols=None, **kw))
+            if not quick:
+                specs.append(ReweightSpec(op, "fp16", n_cols=197, **kw))
+    return specs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m plugins.aot", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, nargs="+", default=list(CI_ARCHS), help="compute capabilities, e.g. 80 90")
@@ -242,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         for arch in args.arch:
-            for spec in ci_specs(args.quick):
+            specs: list[KernelSpec | ReweightSpec] = [*ci_specs(args.quick), *reweight_ci_specs(args.quick)]
+            for spec in specs:
                 k = compile_kernel(spec, arch)
                 row = {
                     "arch": f"sm_{arch}",

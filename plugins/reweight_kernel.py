@@ -48,8 +48,14 @@ def reweight_kernel(
     n_rows, n_cols, n1, n2, ms0, ms1, ms2, rows_per_head, heads,
     k, eps, m_attr,
     FN: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+    PARAMS_IN_MEMORY: tl.constexpr = True, OFFSETS: tl.constexpr = (0.0,), SCALES: tl.constexpr = (1.0,),
 ):  # fmt: skip
-    """out[r, :] = the function FN (index into FNS) of x[r, :] + the mask row of r (see plugins.kernel)."""
+    """out[r, :] = the function FN (index into FNS) of x[r, :] + the mask row of r (see plugins.kernel).
+
+    Per-head offsets/scales are read at off_ptr/scale_ptr (PARAMS_IN_MEMORY: the launcher's tensors), or are the
+    constexpr tuples OFFSETS/SCALES (the ahead-of-time kernels of the TensorRT plugins, whose attributes must be
+    constants of the PTX); k, eps and m_attr may be constants there too. A row longer than BLOCK_L (possible
+    only for an AOT kernel on a dynamic axis) is written as NaN rather than cut short."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     row_off = rows * n_cols
@@ -120,8 +126,15 @@ def reweight_kernel(
         p = _softmax_kept(y, keep & (y >= t[:, None]))
     elif FN == 4 or FN == 5:  # gaussian, laplacian: per-head offset/scale (axis 1 of rank-4 x)
         head = (rows // rows_per_head) % heads
-        phi = tl.load(off_ptr + head, mask=row_ok, other=0.0)
-        sc = tl.load(scale_ptr + head, mask=row_ok, other=1.0)
+        if PARAMS_IN_MEMORY:
+            phi = tl.load(off_ptr + head, mask=row_ok, other=0.0)
+            sc = tl.load(scale_ptr + head, mask=row_ok, other=1.0)
+        else:
+            phi = tl.zeros([BLOCK_R], tl.float32)
+            sc = tl.full([BLOCK_R], 1.0, tl.float32)
+            for h in tl.static_range(len(OFFSETS)):
+                phi = tl.where(head == h, OFFSETS[h], phi)
+                sc = tl.where(head == h, SCALES[h], sc)
         d = y - (mean + phi)[:, None]
         if FN == 4:  # noqa: SIM108  (a compile-time branch: Triton traces an `if` on a constexpr)
             zz = -(d * d) / (2.0 * sc * sc)[:, None]
@@ -138,6 +151,7 @@ def reweight_kernel(
     p = tl.where(keep, p, 0.0)
     p = tl.where((count == 1.0)[:, None], keep.to(tl.float32), p)
     p = tl.where((count == 0.0)[:, None], 1.0 / n_cols, p)
+    p = tl.where(n_cols > BLOCK_L, float("nan"), p)
     tl.store(out_ptr + row_off[:, None] + cols[None, :], p.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -158,8 +172,12 @@ def fused_reweight(
     scale: float | Sequence[float] | torch.Tensor = 1.0,
     eps: float = 0.1,
     m: float = 0.0,
+    baked: bool = False,
 ) -> torch.Tensor:
-    """The reweighting function `fn` (one of FNS) over x's last axis, with the contract's masking."""
+    """The reweighting function `fn` (one of FNS) over x's last axis, with the contract's masking.
+
+    `baked`: per-head offsets/scales as compile-time constants, as the TensorRT plugins' ahead-of-time kernels
+    take them (one compile per set of values: for checking that path, not for serving)."""
     if fn not in FNS:
         raise ValueError(f"unknown reweighting function {fn!r}; known: {', '.join(FNS)}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -193,6 +211,7 @@ def fused_reweight(
         n_rows, n_cols, n1, n2, ms0, ms1, ms2, rows_per_head, heads,
         int(k), float(eps), float(m),
         FN=FNS.index(fn), HAS_MASK=mask is not None, BLOCK_R=cfg.block_r, BLOCK_L=cfg.block_l,
-        num_warps=cfg.num_warps,
+        PARAMS_IN_MEMORY=not baked, OFFSETS=tuple(offs.tolist()) if baked else (0.0,),
+        SCALES=tuple(scales.tolist()) if baked else (1.0,), num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

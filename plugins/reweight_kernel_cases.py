@@ -20,7 +20,7 @@ CASES = [
     for fn in FNS
     for kind, dt, n in (("plain", "fp32", 1), ("plain", "fp32", 197), ("masked", "fp32", 7), ("masked", "fp32", 197),
                         ("ties", "fp32", 33), ("large", "fp32", 33), ("masked", "fp16", 33))
-] + ["evsoftmax-atmean-fp32-L197"]  # fmt: skip
+] + ["evsoftmax-atmean-fp32-L197", "gaussian-baked-fp32-L33", "laplacian-baked-fp32-L33"]  # fmt: skip
 TOL = {"fp32": 1e-6, "fp16": 1e-3}
 
 
@@ -46,19 +46,22 @@ def run_cases(cases: list[str] | None = None, device: str = "cpu") -> dict[str, 
             for _ in range(4):
                 x[..., 0] = x.double().mean(-1).float()
         mask = None
-        if kind in ("masked", "ties"):  # row 0 fully masked, row 1 one left, row 2 soft biases (nothing masked)
+        if kind in ("masked", "ties", "baked"):  # row 0 fully masked, row 1 one left, row 2 soft biases
             mask = torch.where(torch.rand(2, 1, 6, n, generator=g) < 0.3, low, 0.0)
             mask[..., 0, :] = low
             mask[..., 1, :] = -torch.inf
             mask[..., 1, n // 2] = 0.0
             mask[..., 2, :] = -3.0
         a = ATTRS.get(fn, {})
+        if kind == "baked":  # per-head values as compile-time constants (the TensorRT plugins' kernels)
+            a = {"offset": [0.1, -0.3, 0.5], "scale": [0.5, 1.0, 2.0]}
         kw = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in a.items()}
         fn_ref = rw.FUNCTIONS[fn].fn
         assert fn_ref is not None
         xd = x.to(dtypes[dt])
         want = fn_ref(xd.float(), mask, -1, **kw)
-        got = fused_reweight(fn, xd.to(device), None if mask is None else mask.to(dtypes[dt]).to(device), **a)
+        got = fused_reweight(fn, xd.to(device), None if mask is None else mask.to(dtypes[dt]).to(device),
+                             baked=kind == "baked", **a)
         got = got.float().cpu()
         out[case] = {"diff": float((got - want).abs().max()), "tol": TOL[dt], "finite": bool(got.isfinite().all())}
     return out

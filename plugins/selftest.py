@@ -159,7 +159,7 @@ def reweight_op_rows(device: torch.device, compile_backend: str) -> list[Row]:
 def aot_rows(archs: list[int], in_process: bool) -> list[Row]:
     """Ahead-of-time PTX + cubin (what the TensorRT plugin embeds) for each compute capability."""
     if in_process:
-        from plugins.aot import KernelSpec, compile_kernel
+        from plugins.aot import KernelSpec, compile_kernel, reweight_ci_specs
 
         rows = []
         for arch in archs:
@@ -170,6 +170,11 @@ def aot_rows(archs: list[int], in_process: bool) -> list[Row]:
             rows.append(
                 Row("aot compile", f"sm_{arch} MultiMax fp16", f"{len(k.cubin)} B cubin", f"{took:.1f} s", True)
             )
+            start = time.perf_counter()
+            specs = reweight_ci_specs(quick=True)
+            size = sum(len(compile_kernel(spec, arch).cubin) for spec in specs)
+            rows.append(Row("aot compile", f"sm_{arch} {len(specs)} reweighting ops (TensorRT plugins)",
+                            f"{size} B cubin", f"{time.perf_counter() - start:.1f} s", True))  # fmt: skip
         return rows
     # This process runs the interpreter (TRITON_INTERPRET=1): compile in a clean one.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

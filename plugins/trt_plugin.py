@@ -1,11 +1,14 @@
-"""TensorRT plugins for the three `multimax` ONNX nodes, via TensorRT's Python plugin API.
+"""TensorRT plugins for the `multimax` ONNX nodes, via TensorRT's Python plugin API.
 
-`register()` (lazy: this module imports without TensorRT) registers "multimax::MultiMax",
-"multimax::MultiMaxNoMask" and "multimax::MultiMaxSigma" with `tensorrt.plugin`: the op type, the
-`plugin_namespace` ("multimax") and `plugin_version` ("1", the only version the Python API creates)
-that the exporter writes on each node. Each has an ahead-of-time implementation only: at engine build
-time it compiles the Triton kernel for the build GPU and hands TensorRT the PTX, so engines run
-without Python (trtexec, C++).
+`register()` (lazy: this module imports without TensorRT) registers MultiMax's three plugins,
+"multimax::MultiMax", "multimax::MultiMaxNoMask" and "multimax::MultiMaxSigma", and the other reweighting
+functions' fourteen ("multimax::SparseMax", "multimax::SparseMaxNoMask", ... models.onnx_contract
+REWEIGHTING_OPS) with `tensorrt.plugin`: the op type, the `plugin_namespace` ("multimax") and
+`plugin_version` ("1", the only version the Python API creates) that the exporter writes on each node.
+Each has an ahead-of-time implementation only: at engine build time it compiles the Triton kernel
+(plugins.kernel or plugins.reweight_kernel) for the build GPU and hands TensorRT the PTX, so engines run
+without Python (trtexec, C++). The node attributes (MultiMax's parameters; k, eps, m and per-head
+offset/scale) are constants of that PTX.
 
 Rules of the API this follows (tensorrt/plugin/_lib.py, _plugin_class.py, _validate.py):
 - The ONNX parser passes only the attributes the plugin declares (onnx-tensorrt `loadFields` walks the
@@ -23,10 +26,11 @@ Rules of the API this follows (tensorrt/plugin/_lib.py, _plugin_class.py, _valid
 import functools
 from typing import Any
 
-from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION, REWEIGHTING_ATTRIBUTES
 
 PLUGIN_NAMESPACE = ONNX_DOMAIN
 PLUGIN_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
+REWEIGHTING_PLUGIN_OPS = tuple(op + suffix for op in REWEIGHTING_ATTRIBUTES for suffix in ("", "NoMask"))
 MAX_MASKED_RANK = 4  # the mask row mapping covers 3 leading axes: [B, H, T, S] scores
 
 
@@ -106,23 +110,66 @@ def mask_row_args(x_dims: list[Any], mask_dims: list[Any]) -> dict[str, Any]:
 
 
 def _aot_launch(op: str, inputs: tuple[Any, ...], ranges: Any, ts: Any, order: Any) -> tuple[Any, ...]:
-    """(kernel name, PTX, launch params, int32 scalar args) for one plugin instance."""
+    """(kernel name, PTX, launch params, int32 scalar args) for one MultiMax plugin instance."""
+    from plugins.aot import KernelSpec
+
+    def spec(dtype: str, mask_dtype: str | None, n_cols: int | None) -> KernelSpec:
+        return KernelSpec(op=op, dtype=dtype, mask_dtype=mask_dtype, ranges=tuple(float(v) for v in ranges),
+                          ts=tuple(float(v) for v in ts), order=int(order.reshape(-1)[0]), n_cols=n_cols)  # fmt: skip
+
+    return _launch(inputs, spec)
+
+
+def reweight_spec_args(op: str, attrs: dict[str, Any], x_dims: list[Any]) -> dict[str, Any]:
+    """plugins.aot.ReweightSpec's attribute fields from a reweighting node's attributes (numpy arrays, as the
+    parser hands them): k, eps, m as scalars; offset/scale as tuples, checked against the heads (axis 1)."""
+    out: dict[str, Any] = {}
+    if "k" in attrs:
+        out["k"] = int(attrs["k"].reshape(-1)[0])
+    for name in ("eps", "m"):
+        if name in attrs:
+            out[name] = float(attrs[name].reshape(-1)[0])
+    if "offset" in attrs:
+        offset, scale = (tuple(float(v) for v in attrs[n].reshape(-1)) for n in ("offset", "scale"))
+        if len(offset) > 1:
+            heads = x_dims[1] if len(x_dims) == 4 else None
+            if isinstance(heads, int) and heads != len(offset):
+                raise ValueError(f"{op}: {len(offset)} per-head values for {heads} heads (axis 1)")
+            if len(x_dims) != 4:
+                raise ValueError(f"{op}: per-head values need a rank-4 input (batch, heads, q, k)")
+        out["offset"], out["scale"] = offset, scale
+    return out
+
+
+def _reweight_launch(op: str, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> tuple[Any, ...]:
+    """(kernel name, PTX, launch params, int32 scalar args) for one reweighting plugin instance."""
+    from plugins.aot import ReweightSpec
+
+    x = inputs[0]
+    x_dims = [_value(x.shape_expr[i]) for i in range(x.ndim)]
+    fields = reweight_spec_args(op, attrs, x_dims)
+
+    def spec(dtype: str, mask_dtype: str | None, n_cols: int | None) -> ReweightSpec:
+        return ReweightSpec(op=op, dtype=dtype, mask_dtype=mask_dtype, n_cols=n_cols, **fields)
+
+    return _launch(inputs, spec)
+
+
+def _launch(inputs: tuple[Any, ...], make_spec: Any) -> tuple[Any, ...]:
+    """Compile the spec `make_spec(dtype, mask_dtype, static n_cols)` for the build GPU and describe its launch:
+    one program per BLOCK_R rows, the int32 scalars in the spec's order (symbolic where the axes are dynamic)."""
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from plugins.aot import KernelSpec, compile_kernel
+    from plugins.aot import compile_kernel
 
     x = inputs[0]
     x_dims = [_value(x.shape_expr[i]) for i in range(x.ndim)]
     n_cols = x_dims[-1]
-    spec = KernelSpec(
-        op=op,
-        dtype=_triton_dtype(trt, x.dtype),
-        mask_dtype=_triton_dtype(trt, inputs[1].dtype) if len(inputs) > 1 else None,
-        ranges=tuple(float(v) for v in ranges),
-        ts=tuple(float(v) for v in ts),
-        order=int(order.reshape(-1)[0]),
-        n_cols=n_cols if isinstance(n_cols, int) else None,
+    spec = make_spec(
+        _triton_dtype(trt, x.dtype),
+        _triton_dtype(trt, inputs[1].dtype) if len(inputs) > 1 else None,
+        n_cols if isinstance(n_cols, int) else None,
     )
     kernel = compile_kernel(spec, device_arch())
     n_rows = x.shape_expr.numel() // x.shape_expr[x.ndim - 1]
@@ -130,6 +177,8 @@ def _aot_launch(op: str, inputs: tuple[Any, ...], ranges: Any, ts: Any, order: A
     if len(inputs) > 1:
         mask = inputs[1]
         values |= mask_row_args(x_dims, [_value(mask.shape_expr[i]) for i in range(mask.ndim)])
+    if x.ndim == 4:  # per-head parameters: rows of one head are the q axis, heads axis 1
+        values |= {"rows_per_head": x_dims[2], "heads": x_dims[1]}
     extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(values[name]) for name in spec.scalar_args])
     launch = trtp.KernelLaunchParams()
     launch.grid_x = trtp.cdiv(n_rows, kernel.config.block_r)
@@ -217,3 +266,101 @@ def register() -> None:
         x: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints, outputs: tuple[trtp.TensorDesc], tactic: int
     ) -> AotResult:
         return _aot_launch("MultiMaxSigma", (x,), ranges, ts, order)
+
+    for op, attrs in REWEIGHTING_ATTRIBUTES.items():
+        for masked in (True, False):
+            types = masked_types if masked else same_types
+            _register_reweighting(op if masked else op + "NoMask", attrs, masked, types)
+
+
+def _register_reweighting(op: str, attrs: tuple[str, ...], masked: bool, types: list[Any]) -> None:
+    """One reweighting op's plugin: its description, type combinations and ahead-of-time implementation.
+
+    The API reads each function's signature to know the plugin's inputs and attributes (and passes the attributes
+    to `aot_impl` positionally, in declaration order), so every attribute set of REWEIGHTING_ATTRIBUTES has its
+    own explicit signatures below: none, (k), (offset, scale), (eps, m), each with inputs (x, mask) or (x). Their
+    shared bodies check the attributes when TensorRT builds the network and compile the kernel at AOT time.
+    """
+    import numpy as np
+    import numpy.typing as npt
+    import tensorrt.plugin as trtp
+
+    F = npt.NDArray[np.float32]
+    Ints = npt.NDArray[np.int32]
+    Out = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
+    name = f"{PLUGIN_NAMESPACE}::{op}"
+
+    def describe(x: Any, values: dict[str, Any]) -> Any:
+        reweight_spec_args(op, values, [_value(x.shape_expr[i]) for i in range(x.ndim)])  # raises on bad values
+        return x.like()
+
+    def launch(inputs: tuple[Any, ...], values: dict[str, Any]) -> Any:
+        return _reweight_launch(op, inputs, values)
+
+    def d_m(x: trtp.TensorDesc, mask: trtp.TensorDesc) -> trtp.TensorDesc:
+        return describe(x, {})
+
+    def a_m(x: trtp.TensorDesc, mask: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x, mask), {})
+
+    def d_mk(x: trtp.TensorDesc, mask: trtp.TensorDesc, k: Ints) -> trtp.TensorDesc:
+        return describe(x, {"k": k})
+
+    def a_mk(x: trtp.TensorDesc, mask: trtp.TensorDesc, k: Ints, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x, mask), {"k": k})
+
+    def d_mo(x: trtp.TensorDesc, mask: trtp.TensorDesc, offset: F, scale: F) -> trtp.TensorDesc:
+        return describe(x, {"offset": offset, "scale": scale})
+
+    def a_mo(
+        x: trtp.TensorDesc, mask: trtp.TensorDesc, offset: F, scale: F, outputs: tuple[trtp.TensorDesc], tactic: int
+    ) -> Out:
+        return launch((x, mask), {"offset": offset, "scale": scale})
+
+    def d_me(x: trtp.TensorDesc, mask: trtp.TensorDesc, eps: F, m: F) -> trtp.TensorDesc:
+        return describe(x, {"eps": eps, "m": m})
+
+    def a_me(
+        x: trtp.TensorDesc, mask: trtp.TensorDesc, eps: F, m: F, outputs: tuple[trtp.TensorDesc], tactic: int
+    ) -> Out:
+        return launch((x, mask), {"eps": eps, "m": m})
+
+    def d_n(x: trtp.TensorDesc) -> trtp.TensorDesc:
+        return describe(x, {})
+
+    def a_n(x: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x,), {})
+
+    def d_nk(x: trtp.TensorDesc, k: Ints) -> trtp.TensorDesc:
+        return describe(x, {"k": k})
+
+    def a_nk(x: trtp.TensorDesc, k: Ints, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x,), {"k": k})
+
+    def d_no(x: trtp.TensorDesc, offset: F, scale: F) -> trtp.TensorDesc:
+        return describe(x, {"offset": offset, "scale": scale})
+
+    def a_no(x: trtp.TensorDesc, offset: F, scale: F, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x,), {"offset": offset, "scale": scale})
+
+    def d_ne(x: trtp.TensorDesc, eps: F, m: F) -> trtp.TensorDesc:
+        return describe(x, {"eps": eps, "m": m})
+
+    def a_ne(x: trtp.TensorDesc, eps: F, m: F, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x,), {"eps": eps, "m": m})
+
+    def tune_m(x: trtp.TensorDesc, mask: trtp.TensorDesc, outputs: Any) -> list[Any]:
+        return types
+
+    def tune_n(x: trtp.TensorDesc, outputs: Any) -> list[Any]:
+        return types
+
+    kind = {(): "", ("k",): "k", ("offset", "scale"): "o", ("eps", "m"): "e"}[attrs]
+    functions: dict[str, tuple[Any, Any]] = {
+        "m": (d_m, a_m), "mk": (d_mk, a_mk), "mo": (d_mo, a_mo), "me": (d_me, a_me),
+        "n": (d_n, a_n), "nk": (d_nk, a_nk), "no": (d_no, a_no), "ne": (d_ne, a_ne),
+    }  # fmt: skip
+    desc, aot = functions[("m" if masked else "n") + kind]
+    trtp.register(name)(desc)
+    trtp.autotune(name)(tune_m if masked else tune_n)
+    trtp.aot_impl(name)(aot)

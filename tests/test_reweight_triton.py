@@ -67,7 +67,8 @@ sig.update({"eps": "fp32", "m_attr": "fp32"})
 done = []
 for fn in range(len(FNS)):
     for has_mask in (False, True):
-        const = {"FN": fn, "HAS_MASK": has_mask, "BLOCK_R": 4, "BLOCK_L": 256}
+        const = {"FN": fn, "HAS_MASK": has_mask, "BLOCK_R": 4, "BLOCK_L": 256, "PARAMS_IN_MEMORY": True,
+                 "OFFSETS": (0.0,), "SCALES": (1.0,)}
         src = ASTSource(fn=reweight_kernel, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         compiled = triton.compile(src, target=GPUTarget("cuda", 80, 32))
         done.append([FNS[fn], has_mask, "reweight_kernel" in compiled.asm["ptx"]])
@@ -164,3 +165,116 @@ def test_cuda_custom_op_matches_the_reference_per_function() -> None:
         reference = rw.FUNCTIONS[fn].fn
         assert reference is not None
         torch.testing.assert_close(reweight(fn, x, mask, **attrs), reference(x, mask, -1, **kw), atol=1e-5, rtol=0)
+
+
+# --- the TensorRT plugins' glue, against a stand-in for tensorrt.plugin ---------------------------------
+
+FAKE_TRT = r"""
+import inspect, json, sys, types
+
+class Expr:  # a symbolic extent: TensorRT's ShapeExpr entries, constant or not
+    def __init__(self, text, value=None):
+        self.text, self.value = text, value
+        self.is_constant = value is not None
+    def constant_value(self):
+        return self.value
+    def _op(self, other, sym, fn):
+        o = other if isinstance(other, Expr) else Expr(str(other), other)
+        if self.is_constant and o.is_constant:
+            return Expr(str(fn(self.value, o.value)), fn(self.value, o.value))
+        return Expr(f"({self.text}{sym}{o.text})")
+    def __mul__(self, o): return self._op(o, "*", lambda a, b: a * b)
+    def __floordiv__(self, o): return self._op(o, "//", lambda a, b: a // b)
+    def __eq__(self, o): return self._op(o, "==", lambda a, b: int(a == b))
+    __hash__ = object.__hash__
+
+class Shape:
+    def __init__(self, dims):
+        self.dims = [d if isinstance(d, Expr) else Expr(str(d), d) for d in dims]
+    def __getitem__(self, i): return self.dims[i]
+    def numel(self):
+        out = self.dims[0]
+        for d in self.dims[1:]:
+            out = out * d
+        return out
+
+trt = types.ModuleType("tensorrt"); trt.__version__ = "10.15-fake"
+trt.float32, trt.float16, trt.bfloat16 = "F32", "F16", "BF16"
+trtp = types.ModuleType("tensorrt.plugin")
+registry = {"register": {}, "autotune": {}, "aot_impl": {}}
+for kind in registry:
+    setattr(trtp, kind, (lambda kind: lambda name: lambda f: registry[kind].setdefault(name, f))(kind))
+class TensorDesc:
+    def __init__(self, dims, dtype="F32"):
+        self.shape_expr, self.ndim, self.dtype = Shape(dims), len(dims), dtype
+    def like(self): return self
+class KernelLaunchParams: pass
+class SymInt32:
+    def __init__(self, v): self.v = v
+class SymIntExprs(list):
+    @classmethod
+    def from_tuple(cls, t): return cls(t)
+trtp.TensorDesc, trtp.KernelLaunchParams = TensorDesc, KernelLaunchParams
+trtp.SymInt32, trtp.SymIntExprs = SymInt32, SymIntExprs
+trtp.AutoTuneCombination = lambda spec: spec
+trtp.cdiv = lambda a, b: a // b + (a % b > 0) if isinstance(a, int) else Expr(f"cdiv({a.text},{b})")
+trt.plugin = trtp
+sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, trtp
+
+import numpy as np
+from plugins import trt_plugin
+from plugins.aot import entry_params
+trt_plugin.device_arch = lambda: 80  # no GPU here: compile for sm_80
+trt_plugin.register()
+out = {"registered": sorted(registry["aot_impl"])}
+attrs = {"TopKSoftMax": {"k": np.int32([3])}, "GaussianAttention": {"offset": np.float32([0.1, -0.2, 0.3]),
+         "scale": np.float32([0.5, 1.0, 2.0])}, "LaplacianAttention": {"offset": np.float32([0.2]),
+         "scale": np.float32([0.7])}, "LengthScaledSoftMax": {"eps": np.float32([0.05]), "m": np.float32([4.0])}}
+rows = {}
+shown = lambda v: (v.value if v.is_constant else v.text) if isinstance(v, Expr) else v
+for op in trt_plugin.REWEIGHTING_PLUGIN_OPS:
+    base = op.removesuffix("NoMask")
+    a = attrs.get(base, {})
+    for label, dims in (("static", [2, 3, 16, 197]), ("dynamic", [Expr("B"), 3, Expr("T"), Expr("S")])):
+        x = TensorDesc(dims, "F16" if label == "static" else "F32")
+        inputs = [x] if op.endswith("NoMask") else [x, TensorDesc([1, 1, dims[2], dims[3]], "F32")]
+        params = list(inspect.signature(registry["register"][f"multimax::{op}"]).parameters)
+        registry["register"][f"multimax::{op}"](*inputs, *a.values())
+        name, ptx, launch, extra = registry["aot_impl"][f"multimax::{op}"](*inputs, *a.values(), (x,), 0)
+        rows[f"{op} {label}"] = {"params": params, "name": name, "entry": len(entry_params(ptx, name)),
+                                 "inputs": len(inputs), "scalars": len(extra), "block": launch.block_x,
+                                 "grid": getattr(launch.grid_x, "text", launch.grid_x),
+                                 "values": [shown(s.v) for s in extra]}
+out["rows"] = rows
+try:
+    registry["register"]["multimax::GaussianAttention"](TensorDesc([2, 4, 16, 16]), TensorDesc([1, 1, 16, 16]),
+                                                          *attrs["GaussianAttention"].values())
+    out["bad"] = "accepted"
+except ValueError as exc:
+    out["bad"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_tensorrt_plugins_register_and_compile_every_reweighting_op_against_a_stand_in() -> None:
+    """TensorRT cannot be installed here: a stand-in for `tensorrt.plugin` records what register() declares and
+    calls each op's description and ahead-of-time implementation, which compiles the real kernel for sm_80. The
+    PTX must take exactly the inputs, the int32 scalars the launch passes and the output."""
+    from models.onnx_contract import REWEIGHTING_ATTRIBUTES
+
+    out = json.loads(_child(FAKE_TRT, interpret=False).stdout.strip().splitlines()[-1])
+    names = {f"multimax::{op}{s}" for op in REWEIGHTING_ATTRIBUTES for s in ("", "NoMask")}
+    assert names | {"multimax::MultiMax", "multimax::MultiMaxNoMask", "multimax::MultiMaxSigma"} == set(
+        out["registered"])
+    for case, r in out["rows"].items():
+        op = case.split()[0]
+        inputs = ["x"] if op.endswith("NoMask") else ["x", "mask"]
+        assert r["params"] == [*inputs, *REWEIGHTING_ATTRIBUTES[op.removesuffix("NoMask")]], case
+        assert r["name"] == "reweight_kernel" and r["entry"] == r["inputs"] + r["scalars"] + 1, case
+        assert r["block"] % 32 == 0, case
+    static, dynamic = out["rows"]["GaussianAttention static"], out["rows"]["GaussianAttention dynamic"]
+    assert static["values"][0] == 2 * 3 * 16 and static["values"][-2:] == [16, 3]  # rows, rows per head, heads
+    assert "S" in str(dynamic["values"][1]) and isinstance(dynamic["grid"], str)  # n_cols and rows symbolic
+    assert out["rows"]["SparseMaxNoMask static"]["scalars"] == 1  # n_rows only: n_cols is a constant
+    assert "3 per-head values for 4 heads" in out["bad"]
