@@ -189,6 +189,91 @@ def _name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
+def _run_engine(trt: Any, engine_path: Path, inputs: dict[str, torch.Tensor],
+                outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Run a serialized engine once on CUDA tensors; every output has the shape of the input "x"."""
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(engine_path.read_bytes())
+    context = engine.create_execution_context()
+    context.set_input_shape("x", tuple(inputs["x"].shape))
+    buffers = dict(inputs) | {name: torch.empty_like(inputs["x"]) for name in outputs}
+    for name, tensor in buffers.items():
+        context.set_tensor_address(name, tensor.data_ptr())
+    stream = torch.cuda.current_stream()
+    if not context.execute_async_v3(stream.cuda_stream):
+        raise RuntimeError("TensorRT execution failed")
+    stream.synchronize()
+    return buffers
+
+
+REWEIGHT_SELFTEST_ATTRS: dict[str, dict[str, Any]] = {
+    "topk_softmax": {"k": 5}, "length_scaled": {"eps": 0.1, "m": 0.0},
+    "gaussian": {"offset": [0.2, -0.1], "scale": [0.7, 1.5]}, "laplacian": {"offset": [0.0, 0.3], "scale": [1.2, 0.8]},
+}  # fmt: skip
+
+
+def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]]:
+    """The 14 reweighting nodes (per-head Gaussian/Laplacian) reading x (B, heads, t, t) and a causal mask, one
+    output each (named `<function>` / `<function>NoMask`), with their function bodies: (ModelProto, names)."""
+    from onnx import TensorProto, helper
+
+    from models.onnx_contract import REWEIGHTING_OPS
+    from plugins.onnx_reweighting import reweighting_function_protos
+    from plugins.ort_ops.graphs import reweighting_node
+
+    nodes, names = [], []
+    for fn, op in REWEIGHTING_OPS.items():
+        for suffix, ins in (("", ["x", "mask"]), ("NoMask", ["x"])):
+            names.append(f"{fn}{suffix}")
+            nodes.append(reweighting_node(op + suffix, ins, names[-1], REWEIGHT_SELFTEST_ATTRS.get(fn, {})))
+    dims: list[str | int | None] = ["batch", heads, t, t]
+    graph = helper.make_graph(
+        nodes, "reweight_selftest",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, t, t])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in names],
+    )  # fmt: skip
+    opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
+    model = helper.make_model(graph, opset_imports=opset, functions=reweighting_function_protos(18), ir_version=10)
+    return model, names
+
+
+def reweight_selftest_diffs(out: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Per function, the largest difference of its masked and NoMask outputs from models.reweighting."""
+    from models import reweighting as rw
+
+    diffs = {}
+    for fn in rw.OTHER_FUNCTIONS:
+        reference = rw.FUNCTIONS[fn].fn
+        assert reference is not None
+        kw = {k: torch.tensor(v, device=x.device) if isinstance(v, list) else v
+              for k, v in REWEIGHT_SELFTEST_ATTRS.get(fn, {}).items()}  # fmt: skip
+        diffs[fn] = max(float((out[fn] - reference(x, mask, -1, **kw)).abs().max()),
+                        float((out[f"{fn}NoMask"] - reference(x, None, -1, **kw)).abs().max()))  # fmt: skip
+    return diffs
+
+
+def tensorrt_reweight_rows(tmp: Path) -> list[Row]:
+    """`reweight_selftest_model` through the engine builder (every node must become its plugin, not its
+    function body) and TensorRT, against the references."""
+    import onnx
+    import tensorrt as trt
+
+    from plugins.build_engine import Profile, build_engine
+
+    heads, t = 2, 64
+    model, names = reweight_selftest_model(heads, t)
+    path = tmp / "reweight_selftest.onnx"
+    onnx.save(model, str(path))
+    start = time.perf_counter()
+    engine_path = build_engine(path, tmp / "reweight_selftest.engine", False, [Profile((1, 2, 4))])
+    took = time.perf_counter() - start
+    x = torch.randn(3, heads, t, t, device="cuda") * 3
+    mask = _causal_mask(t, t, torch.device("cuda"))
+    out = _run_engine(trt, engine_path, {"x": x, "mask": mask}, tuple(names))
+    return [Row("tensorrt", f"{fn} (+NoMask) fp32 build {took:.0f} s", f"{d:.2e}", "1e-05", d <= 1e-5)
+            for fn, d in reweight_selftest_diffs(out, x, mask).items()]  # fmt: skip
+
+
 def tensorrt_rows(tmp: Path) -> list[Row]:
     """A 3-node ONNX model (MultiMax, MultiMaxNoMask, MultiMaxSigma) through the engine builder and TensorRT."""
     import onnx
@@ -244,21 +329,9 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
             rows.append(Row("tensorrt", "fp16 build", "not built", str(exc), None))  # strongly typed TensorRT
             continue
         took = time.perf_counter() - start
-        logger = trt.Logger(trt.Logger.WARNING)
-        engine = trt.Runtime(logger).deserialize_cuda_engine(engine_path.read_bytes())
-        context = engine.create_execution_context()
         x = torch.randn(3, heads, t, t, device="cuda") * 3
         mask = _causal_mask(t, t, torch.device("cuda"))
-        buffers = {"x": x, "mask": mask}
-        context.set_input_shape("x", tuple(x.shape))
-        for name in ("probs", "probs_nomask", "sigma"):
-            buffers[name] = torch.empty_like(x)
-        for name, tensor in buffers.items():
-            context.set_tensor_address(name, tensor.data_ptr())
-        stream = torch.cuda.current_stream()
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError("TensorRT execution failed")
-        stream.synchronize()
+        buffers = _run_engine(trt, engine_path, {"x": x, "mask": mask}, ("probs", "probs_nomask", "sigma"))
         refs = {
             "probs": reference_multimax(x, ranges, ts, 2, mask),
             "probs_nomask": reference_multimax(x, ranges, ts, 2),
@@ -390,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             rows += tensorrt_rows(Path(tmp))
+            rows += tensorrt_reweight_rows(Path(tmp))
     if not gpu:
         skipped.append(("timings", "no CUDA GPU"))
     elif args.no_bench:

@@ -278,3 +278,24 @@ def test_tensorrt_plugins_register_and_compile_every_reweighting_op_against_a_st
     assert "S" in str(dynamic["values"][1]) and isinstance(dynamic["grid"], str)  # n_cols and rows symbolic
     assert out["rows"]["SparseMaxNoMask static"]["scalars"] == 1  # n_rows only: n_cols is a constant
     assert "3 per-head values for 4 heads" in out["bad"]
+
+
+def test_the_selftests_tensorrt_model_runs_as_function_bodies_and_matches_the_references() -> None:
+    """The graph the GPU self-test hands the engine builder (14 reweighting nodes), checked here through
+    onnxruntime's function bodies, so that on a GPU only TensorRT itself is new."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from plugins.selftest import _causal_mask, reweight_selftest_diffs, reweight_selftest_model
+
+    model, names = reweight_selftest_model(2, 16)
+    onnx.checker.check_model(model, full_check=True)
+    x = torch.randn(3, 2, 16, 16) * 3
+    mask = _causal_mask(16, 16, torch.device("cpu"))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = session.run(names, {"x": x.numpy(), "mask": mask.numpy()})
+    out = {n: torch.from_numpy(np.asarray(v)) for n, v in zip(names, values, strict=True)}
+    diffs = reweight_selftest_diffs(out, x, mask)
+    assert len(diffs) == 7 and max(diffs.values()) <= 2e-6, diffs
