@@ -70,9 +70,9 @@ def _split(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 def probabilities(name: str | None, logits: Tensor) -> Tensor:
     """The output distribution over the last axis; -inf logits get exactly 0."""
-    if name is None:
+    if check(name) is None:
         return torch.softmax(logits, -1)
-    fn = reweighting.FUNCTIONS[check(name) or ""].fn
+    fn = reweighting.FUNCTIONS[str(name)].fn
     assert fn is not None
     x, mask = _split(logits)
     return fn(x, mask, -1)
@@ -103,8 +103,3 @@ def ev_softmax_train_log(logits: Tensor, eps: float = EV_TRAIN_EPS) -> Tensor:
     above = (logits >= logits.mean(-1, keepdim=True)).to(logits.dtype)
     z = logits + torch.log(above + eps)
     return z - torch.logsumexp(z, -1, keepdim=True)
-
-
-def reported_logprob(value: float) -> float:
-    """A logprob as the API reports it: ZERO_LOGPROB for a token the distribution gives exactly 0."""
-    return value if value > ZERO_LOGPROB else ZERO_LOGPROB

@@ -314,7 +314,8 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
         functions = function_protos(18)
     except ImportError:
         functions = []
-    model = helper.make_model(graph, opset_imports=opset, functions=functions)
+    # IR 10, as the exporter writes: the installed onnx defaults to a newer IR than TensorRT's parser reads.
+    model = helper.make_model(graph, opset_imports=opset, functions=functions, ir_version=10)
     path = tmp / "selftest.onnx"
     onnx.save(model, str(path))
 
