@@ -106,9 +106,13 @@ def reweight_kernel(
             tau = (s1 - 1.0) / cnt
             p = tl.maximum(z - tau[:, None], 0.0)
     elif FN == 2:  # evsoftmax: the entries >= the mean, summed in float64 as everywhere else (the max always)
-        y64 = y.to(tl.float64)
-        mean64 = tl.sum(y64, axis=1) / tl.maximum(count, 1.0).to(tl.float64)
-        p = _softmax_kept(y, keep & ((y64 >= mean64[:, None]) | (y == ymax[:, None])))
+        mean64 = tl.sum(y.to(tl.float64), axis=1) / tl.maximum(count, 1.0).to(tl.float64)
+        # y >= mean64 for a float32 y is y >= the smallest float32 >= mean64: compared in float32, no float64 tile
+        t = mean64.to(tl.float32)
+        tb = t.to(tl.int32, bitcast=True)
+        up = tl.where(t == 0.0, 1, tl.where(tb >= 0, tb + 1, tb - 1)).to(tl.float32, bitcast=True)
+        cut = tl.where(t.to(tl.float64) < mean64, up, t)
+        p = _softmax_kept(y, keep & ((y >= cut[:, None]) | (y == ymax[:, None])))
     elif FN == 3:  # topk_softmax: the k-th largest by bisection on the order-preserving int key
         bits = y.to(tl.int32, bitcast=True)
         key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
