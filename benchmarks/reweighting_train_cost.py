@@ -15,7 +15,6 @@ another under whatever load the shared machine had, the ratios come from one run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -27,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.export_time import interleaved, write_results
-from models.atomic import publish, staging_dir
 from models.deit import DeiT
-from models.training.compare import ALL, OPTIONS
+from models.training.compare import ALL, OPTIONS, update_results
 from models.training.optim import param_groups
 from models.training.vision import augment, demo_config, digits_8x8_split, normalize
 
@@ -76,15 +74,16 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def write_into(results_json: Path, results: dict[str, Any]) -> None:
-    """Put the ratios into the compare results JSON under TRAIN_STEP (atomically; the rest kept as it is)."""
-    data = json.loads(results_json.read_text()) if results_json.is_file() else {}
-    data[TRAIN_STEP] = {
-        "command": results["command"], "date": results["date"], "machine": results["machine"],
-        "ratio_to_softmax": {n: round(r["ratio_to_softmax"], 3) for n, r in results["functions"].items()},
-    }  # fmt: skip
-    with staging_dir(results_json) as staging:
-        (staging / results_json.name).write_text(json.dumps(data, indent=2) + "\n")
-        publish(staging / results_json.name, results_json)
+    """Put the ratios into the compare results JSON under TRAIN_STEP (atomically, under compare's lock; the rest
+    kept as it is)."""
+
+    def put(data: dict[str, Any]) -> None:
+        data[TRAIN_STEP] = {
+            "command": results["command"], "date": results["date"], "machine": results["machine"],
+            "ratio_to_softmax": {n: round(r["ratio_to_softmax"], 3) for n, r in results["functions"].items()},
+        }  # fmt: skip
+
+    update_results(results_json, put)
 
 
 def main(argv: list[str] | None = None) -> int:

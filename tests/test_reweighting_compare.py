@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,16 +23,16 @@ def test_compare_writes_resumable_results_and_a_table(tmp_path: Path, capsys: py
     assert data["recipe"] == {"epochs": 1, "seed": 0, "threads": 1}
     assert list(data["results"]) == ["softmax", "sparsemax", "topk_softmax"]
     soft, sparse, topk = (data["results"][n] for n in ("softmax", "sparsemax", "topk_softmax"))
-    assert soft["trained"].startswith("shipped") and soft["heldout_accuracy"] > 0.95  # the shipped twin
-    assert sparse["trained"] == "here" and sparse["epochs"] == 1 and topk["options"] == {"k": 4}
+    # another budget than the shipped twin's: the softmax run is trained here too, not read from the demo
+    assert soft["trained"] == sparse["trained"] == "here" and soft["epochs"] == sparse["epochs"] == 1
+    assert topk["options"] == {"k": 4} and soft["cpu_seconds"] > 0 and sparse["cpu_seconds"] > 0
     for r in (soft, sparse, topk):
         assert 0 <= r["multimodality"] <= 1 and 0 <= r["sparsity"] <= 1 and 0 <= r["zero_share"] <= 1
     assert soft["zero_share"] == 0 and topk["zero_share"] == pytest.approx(0.75)  # 16 tokens, k = 4 kept
     _, ckpt, _ = load(ckpts / "digits_sparsemax.pt")
     assert ckpt.config["attention_function"] == "sparsemax"
     out = capsys.readouterr().out
-    assert "| sparsemax |" in out and "| entmax15 | | not run yet |" in out
-    assert sparse["cpu_seconds"] > 0 and "cpu_seconds" not in soft  # the shipped twin's CPU time is unknown
+    assert "| sparsemax |" in out and "| entmax15 | | not run yet |" in out and "| 1 seed |" in out
 
     # resumed: nothing is redone, and a new function is added to the same file
     before = results.read_text()
@@ -38,6 +40,97 @@ def test_compare_writes_resumable_results_and_a_table(tmp_path: Path, capsys: py
     assert results.read_text() == before and "done before" in capsys.readouterr().out
     assert main(["compare", "--table", "-o", str(results)]) == 0
     assert "| topk_softmax | k=4 |" in capsys.readouterr().out
+
+
+def test_the_shipped_twin_stands_in_for_its_own_recipe_only(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    assert main(["compare", "--functions", "softmax", "-o", str(results), "--quiet"]) == 0  # 120 epochs, seed 0
+    soft = json.loads(results.read_text())["results"]["softmax"]
+    assert soft["trained"] == "shipped (models/demo/digits_softmax.pt)" and soft["heldout_accuracy"] > 0.95
+    assert "cpu_seconds" not in soft  # the shipped twin's CPU time is unknown
+
+
+def test_extra_seeds_train_every_function_again_and_the_table_gives_their_spread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, ckpts = tmp_path / "results.json", tmp_path / "ckpts"
+    args = ["compare", "--epochs", "1", "--functions", "sparsemax", "-o", str(results), "--quiet"]
+    assert main([*args, "--seeds", "1,2", "--checkpoints", str(ckpts)]) == 0
+    data = json.loads(results.read_text())
+    assert sorted(data["seeds"]) == ["1", "2"] and all(list(data["seeds"][s]) == ["sparsemax"] for s in "12")
+    for s in (1, 2):
+        _, ckpt, _ = load(ckpts / f"digits_sparsemax_seed{s}.pt")
+        assert ckpt.config["attention_function"] == "sparsemax"
+    accs = [data["results"]["sparsemax"]["heldout_accuracy"]] + [data["seeds"][s]["sparsemax"]["heldout_accuracy"]
+                                                                 for s in "12"]  # fmt: skip
+    want = f"{statistics.mean(accs):.2%} ± {statistics.stdev(accs):.2%} (3)"
+    assert f"| {want} |" in capsys.readouterr().out
+    before = results.read_text()
+    assert main([*args, "--seeds", "2,1"]) == 0  # resumed: all three seeds are done
+    assert results.read_text() == before and capsys.readouterr().out.count("done before") == 3
+    # the main seed twice, or a seed given twice, is refused before anything runs
+    for bad in ("0", "1,1"):
+        assert main([*args, "--seeds", bad]) == 2 and "each seed once" in capsys.readouterr().err
+    for bad in ("-1", "x", ","):
+        with pytest.raises(SystemExit) as exc:
+            main([*args, "--seeds", bad])
+        assert exc.value.code == 2
+    assert results.read_text() == before
+
+
+def test_the_table_takes_accuracy_spread_and_median_time_over_seeds() -> None:
+    from models.training.compare import table
+
+    def run(acc: float, seconds: float | None) -> dict[str, Any]:
+        metrics = {"multimodality": 0.5, "sparsity": 0.1, "zero_share": 0.0, "entropy": 1.0}
+        return {"heldout_accuracy": acc, "seconds": seconds, "options": {}, **metrics}
+
+    data = {
+        "results": {"softmax": run(0.99, 900.0), "sparsemax": run(0.97, None)},
+        "seeds": {"2": {"softmax": run(0.97, 100.0)}, "10": {"softmax": run(0.98, 120.0)}},
+    }
+    rows = {line.split(" | ")[0][2:]: line for line in table(data).splitlines()[2:]}
+    assert "| 99.00% | 98.00% ± 1.00% (3) | 120 |" in rows["softmax"]  # the median time: one slow run aside
+    assert "| 97.00% | 1 seed | ? |" in rows["sparsemax"]
+
+
+def update_many(path: str, key: str) -> None:
+    from models.training.compare import update_results
+
+    for i in range(25):
+        update_results(Path(path), lambda data, i=i: data.__setitem__(f"{key}{i}", i))
+
+
+def test_concurrent_writers_lose_no_result(tmp_path: Path) -> None:
+    """Two compare runs (other seeds) and the step benchmark may write one results file side by side."""
+    import multiprocessing
+
+    results = tmp_path / "results.json"
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=update_many, args=(str(results), key)) for key in "abc"]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert len(json.loads(results.read_text())) == 75
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no staging or lock files left
+
+
+def test_a_run_stops_when_another_changes_the_recipe_under_it(tmp_path: Path) -> None:
+    from models.training import compare as cmp
+
+    results = tmp_path / "results.json"
+
+    def other_budget(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        cmp.update_results(results, lambda data: data.__setitem__("recipe", {"epochs": 5, "seed": 0}))
+        return {"heldout_accuracy": 0.5}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cmp, "_trained", other_budget)
+        with pytest.raises(RuntimeError, match="another run changed the results. recipe"):
+            cmp.compare(["sparsemax"], results, epochs=1, progress=False)
+    assert json.loads(results.read_text())["recipe"]["epochs"] == 5  # its results are not mixed into the other
 
 
 def test_compare_refuses_unknown_functions_and_missing_results(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -28,6 +28,17 @@ from models.demo import DEMO_DIR
 from models.training.demo import build_demos, run_demo, text_checkpoint, vision_checkpoint
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 1,2`: comma-separated non-negative integers."""
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers, e.g. 1,2") from None
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more non-negative integers, e.g. 1,2")
+    return seeds
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     functions = function_overrides(args)
@@ -84,7 +95,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         data = compare(names, results, epochs=args.epochs, seed=args.seed, checkpoints=checkpoints,
-                       progress=not args.quiet, retrain_twins=args.retrain_twins)
+                       progress=not args.quiet, retrain_twins=args.retrain_twins, extra_seeds=args.seeds)
     finally:
         torch.set_num_threads(threads)  # called in-process (tests): leave the caller's setting
     print(table(data))
@@ -129,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="docs/reweighting_results.json", help="results JSON (resumed)")
     p.add_argument("--functions", help="comma-separated subset (default: all, in the table's order)")
     p.add_argument("--epochs", type=int, help="budget (default: the shipped twins' 120)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the main seed (the table's accuracy and metrics)")
+    p.add_argument("--seeds", type=parse_seeds, default=[], metavar="N,N",
+                   help="also train every function with these seeds (the table adds mean ± sd over all seeds)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the shipped twins)")
     p.add_argument("--checkpoints", help="also save each trained model into this directory")
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")

@@ -9,6 +9,12 @@ benchmarks.reweighting_train_cost, which times all functions side by side in one
 written to the results JSON as soon as it is done, so an interrupted run resumes where it stopped (a result with
 another recipe is redone).
 
+`extra_seeds` (`--seeds 1,2`) trains every function again with other seeds (the seed sets the initialisation,
+the augmentation and the stratified held-out split, as in `train vision --seed`); the table's "over seeds"
+column then gives the accuracy's mean and spread over all seeds, which one seed's (one image is 0.28%) cannot. Each
+result is merged into the file under a lock on its directory, so runs for different seeds can share one file
+side by side (one per core at one thread each).
+
 Attention metrics, on the held-out images, every layer and head: the paper's multi-modality M (definition 3.2)
 and sparsity S (3.3, reference s = the row's smallest softmax probability) with the threshold eps = the row mean
 of the scores (relevant: above the mean; irrelevant: below), plus the share of exactly-zero weights and the mean
@@ -17,9 +23,14 @@ entropy of the rows.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +85,32 @@ def _recipe(epochs: int | None, seed: int) -> dict[str, Any]:
     return {"epochs": epochs or 120, "seed": seed, "threads": torch.get_num_threads()}
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
+def _same_budget(data: dict[str, Any], recipe: dict[str, Any]) -> bool:
+    return all(data.get("recipe", {}).get(k) == recipe[k] for k in ("epochs", "seed"))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the results file's directory: the file itself is replaced by each write."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with staging_dir(path) as staging:
-        (staging / path.name).write_text(json.dumps(data, indent=2) + "\n")
-        publish(staging / path.name, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def update_results(path: Path, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Read the results JSON, apply `change` to it, write it back atomically; under the lock, so concurrent
+    writers (compare runs for other seeds, benchmarks.reweighting_train_cost --into) lose nothing."""
+    with _locked(path):
+        data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        change(data)
+        with staging_dir(path) as staging:
+            (staging / path.name).write_text(json.dumps(data, indent=2) + "\n")
+            publish(staging / path.name, path)
+    return data
 
 
 def _shipped(name: str, x_test: torch.Tensor, y_test: torch.Tensor) -> dict[str, Any]:
@@ -98,6 +130,50 @@ def _shipped(name: str, x_test: torch.Tensor, y_test: torch.Tensor) -> dict[str,
     }
 
 
+def _trained(name: str, seed: int, epochs: int | None, progress: bool, checkpoint: Path | None) -> dict[str, Any]:
+    """Train `name`'s digits model with `seed`; its entry (metrics on that seed's held-out images)."""
+    from models.training.demo import vision_checkpoint
+    from models.training.vision import digits_split, train_vision
+
+    kwargs: dict[str, Any] = {"epochs": epochs} if epochs else {}
+    function = None if name in SHIPPED else name
+    cpu = time.process_time()  # CPU time: far less sensitive than wall time to the shared machine's load
+    result = train_vision(
+        multimax=("attention", "output") if name == "multimax" else (), seed=seed, progress=progress,
+        attention_function=function, attention_options=OPTIONS.get(name), **kwargs
+    )
+    cpu = time.process_time() - cpu
+    ckpt = vision_checkpoint(result)
+    if checkpoint is not None:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(ckpt, checkpoint)
+    model = build_model(ckpt)
+    assert isinstance(model, DeiT)
+    metrics = result["metrics"]
+    _, _, x_test, _ = digits_split(seed=seed)
+    return {
+        "heldout_accuracy": metrics["heldout_accuracy"],
+        "heldout_accuracy_by_input": metrics["heldout_accuracy_by_input"],
+        "seconds": metrics["seconds"],
+        "cpu_seconds": round(cpu, 1),
+        "epochs": metrics["epochs"],
+        "options": result["config"].get("attention_options") or {},
+        "output": "multimax" if name == "multimax" else "plain",
+        "trained": "here",
+        **attention_metrics(model, x_test),
+    }
+
+
+def _record(
+    data: dict[str, Any], *, recipe: dict[str, Any], extra_seed: int | None, name: str, entry: dict[str, Any]
+) -> None:
+    """Put one result into the results (an extra seed's under "seeds"), unless another run changed the budget."""
+    if not _same_budget(data, recipe):
+        raise RuntimeError(f"another run changed the results' recipe to {data.get('recipe')}; this one has {recipe}")
+    where = data["results"] if extra_seed is None else data.setdefault("seeds", {}).setdefault(str(extra_seed), {})
+    where[name] = entry
+
+
 def compare(
     names: Iterable[str] = ALL,
     results: Path = RESULTS,
@@ -106,73 +182,77 @@ def compare(
     checkpoints: Path | None = None,
     progress: bool = True,
     retrain_twins: bool = False,
+    extra_seeds: Iterable[int] = (),
 ) -> dict[str, Any]:
-    """Train (or read) each function's digits model; the results JSON is rewritten after each one.
+    """Train (or read) each function's digits model; each result is merged into the results JSON when done.
 
-    `retrain_twins`: train the MultiMax and softmax twins here too (their training time measured under the
-    same load as the others') instead of reading the shipped checkpoints; the shipped files are not touched.
+    The shipped twins stand in for the MultiMax and softmax runs of their own recipe (120 epochs, seed 0);
+    `retrain_twins`: train them here too (their training time measured under the same load as the others')
+    instead of reading the shipped checkpoints; the shipped files are not touched. `extra_seeds`: also train
+    every function (the twins included: only seed 0 ships) with these seeds; their results go under "seeds".
     """
-    from models.training.demo import vision_checkpoint
-    from models.training.vision import digits_split, train_vision
+    from models.training.vision import digits_split
 
-    names = list(names)
+    names, extra_seeds = list(names), list(extra_seeds)
     unknown = [n for n in names if n not in FUNCTIONS]
     if unknown:
         raise ValueError(f"unknown function(s) {', '.join(unknown)}; known: {', '.join(ALL)}")
+    if seed in extra_seeds or len(set(extra_seeds)) < len(extra_seeds):
+        raise ValueError(f"--seeds {','.join(map(str, extra_seeds))}: each seed once, and not the main seed {seed}")
     recipe = _recipe(epochs, seed)
-    data: dict[str, Any] = json.loads(results.read_text()) if results.is_file() else {}
-    if {k: data.get("recipe", {}).get(k) for k in ("epochs", "seed")} != {k: recipe[k] for k in ("epochs", "seed")}:
-        data = {}  # another budget: nothing to resume
-    data["recipe"] = recipe
-    data.setdefault("results", {})
+
+    def start(data: dict[str, Any]) -> None:
+        if not _same_budget(data, recipe):
+            data.clear()  # another budget: nothing to resume
+        data["recipe"] = recipe
+        data.setdefault("results", {})
+
+    data = update_results(results, start)
     _, _, x_test, y_test = digits_split(seed=0)
-    for name in names:
-        done = data["results"].get(name)
-        if done is not None and not (retrain_twins and str(done.get("trained", "")).startswith("shipped")):
-            print(f"{name}: done before, kept ({results})", flush=True)
-            continue
-        start = time.perf_counter()
-        if name in SHIPPED and not retrain_twins:
-            entry = _shipped(name, x_test, y_test)
-        else:
-            kwargs: dict[str, Any] = {"epochs": epochs} if epochs else {}
-            function = None if name in SHIPPED else name
-            cpu = time.process_time()  # CPU time: far less sensitive than wall time to the shared machine's load
-            result = train_vision(
-                multimax=("attention", "output") if name == "multimax" else (), seed=seed, progress=progress,
-                attention_function=function, attention_options=OPTIONS.get(name), **kwargs
-            )
-            cpu = time.process_time() - cpu
-            ckpt = vision_checkpoint(result)
-            if checkpoints is not None:
-                checkpoints.mkdir(parents=True, exist_ok=True)
-                save_checkpoint(ckpt, checkpoints / f"digits_{name}.pt")
-            model = build_model(ckpt)
-            assert isinstance(model, DeiT)
-            metrics = result["metrics"]
-            entry = {
-                "heldout_accuracy": metrics["heldout_accuracy"],
-                "heldout_accuracy_by_input": metrics["heldout_accuracy_by_input"],
-                "seconds": metrics["seconds"],
-                "cpu_seconds": round(cpu, 1),
-                "epochs": metrics["epochs"],
-                "options": result["config"].get("attention_options") or {},
-                "output": "multimax" if name == "multimax" else "plain",
-                "trained": "here",
-                **attention_metrics(model, x_test),
-            }
-        data["results"][name] = entry
-        _write(results, data)
-        print(f"{name}: accuracy {entry['heldout_accuracy']:.2%}, {time.perf_counter() - start:.0f} s", flush=True)
+    for run_seed in [seed, *extra_seeds]:
+        main = run_seed == seed
+        for name in names:
+            done = data["results"].get(name) if main else data.get("seeds", {}).get(str(run_seed), {}).get(name)
+            if done is not None and not (retrain_twins and str(done.get("trained", "")).startswith("shipped")):
+                print(f"{name} (seed {run_seed}): done before, kept ({results})", flush=True)
+                continue
+            began = time.perf_counter()
+            if main and name in SHIPPED and not retrain_twins and recipe["epochs"] == 120 and seed == 0:
+                entry = _shipped(name, x_test, y_test)
+            else:
+                file = f"digits_{name}.pt" if main else f"digits_{name}_seed{run_seed}.pt"
+                entry = _trained(name, run_seed, epochs, progress, checkpoints / file if checkpoints else None)
+            extra = None if main else run_seed
+            data = update_results(results, partial(_record, recipe=recipe, extra_seed=extra, name=name, entry=entry))
+            took = time.perf_counter() - began
+            print(f"{name} (seed {run_seed}): accuracy {entry['heldout_accuracy']:.2%}, {took:.0f} s", flush=True)
     return data
 
 
+def seed_runs(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """`name`'s result for the main seed and each extra seed that has one."""
+    runs = [data.get("results", {}).get(name)]
+    runs += [by_name.get(name) for _, by_name in sorted(data.get("seeds", {}).items(), key=lambda kv: int(kv[0]))]
+    return [r for r in runs if r is not None]
+
+
+def _over_seeds(runs: list[dict[str, Any]]) -> str:
+    accs = [r["heldout_accuracy"] for r in runs]
+    if len(accs) < 2:
+        return "1 seed"
+    return f"{statistics.mean(accs):.2%} ± {statistics.stdev(accs):.2%} ({len(accs)})"
+
+
 def table(data: dict[str, Any]) -> str:
-    """The results as a Markdown table (functions in the order of ALL; missing ones say 'not run yet')."""
+    """The results as a Markdown table (functions in the order of ALL; missing ones say 'not run yet').
+
+    Accuracy and the attention metrics are the main seed's; "over seeds" is the mean ± sample standard deviation
+    of the held-out accuracy over every seed run (their count in brackets); training time is the median over
+    them (each was taken under the shared machine's load of its moment)."""
     rows = [
-        "| function | options | held-out accuracy | training s (wall) | step vs SoftMax | multi-modality M "
-        "| sparsity S | zero weights | entropy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| function | options | held-out accuracy | over seeds | training s (wall) | step vs SoftMax "
+        "| multi-modality M | sparsity S | zero weights | entropy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     results = data.get("results", {})
     # Training-step cost ratios measured side by side (benchmarks.reweighting_train_cost --into): the wall
@@ -181,13 +261,15 @@ def table(data: dict[str, Any]) -> str:
     for name in ALL:
         r = results.get(name)
         if r is None:
-            rows.append(f"| {name} | | not run yet | | | | | | |")
+            rows.append(f"| {name} | | not run yet | | | | | | | |")
             continue
+        runs = seed_runs(data, name)
         opts = ", ".join(f"{k}={v:g}" for k, v in r.get("options", {}).items())
-        secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else "?"
+        seconds = [x["seconds"] for x in runs if x.get("seconds") is not None]
+        secs = f"{statistics.median(seconds):.0f}" if seconds else "?"
         step = f"{steps[name]:.2f}" if name in steps else "?"
         rows.append(
-            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {secs} | {step} | {r['multimodality']:.3f} | "
-            f"{r['sparsity']:.3f} | {r['zero_share']:.1%} | {r['entropy']:.2f} |"
+            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {_over_seeds(runs)} | {secs} | {step} | "
+            f"{r['multimodality']:.3f} | {r['sparsity']:.3f} | {r['zero_share']:.1%} | {r['entropy']:.2f} |"
         )
     return "\n".join(rows)
