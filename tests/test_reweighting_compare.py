@@ -128,7 +128,7 @@ def test_a_run_stops_when_another_changes_the_recipe_under_it(tmp_path: Path) ->
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cmp, "_trained", other_budget)
-        with pytest.raises(RuntimeError, match="another run changed the results. recipe"):
+        with pytest.raises(RuntimeError, match="another run changed the results' recipe"):
             cmp.compare(["sparsemax"], results, epochs=1, progress=False)
     assert json.loads(results.read_text())["recipe"]["epochs"] == 5  # its results are not mixed into the other
 
@@ -172,3 +172,15 @@ def test_the_docs_tables_are_the_shipped_results() -> None:
     for doc in ("README.md", "docs/REWEIGHTING.md"):
         found = re.search(r"<!-- results-table -->\n(.*?)\n<!-- /results-table -->", Path(doc).read_text(), re.S)
         assert found is not None and found.group(1) == want, f"{doc}: run `python -m models.training compare --table`"
+
+
+def test_the_seed_plot_is_drawn_from_the_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from models.training.compare import RESULTS
+    from models.training.compare_plot import plot_seed_accuracies
+
+    png = tmp_path / "plots" / "acc.png"
+    assert main(["compare", "--table", "-o", str(RESULTS), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no results to plot"):
+        plot_seed_accuracies({"results": {}}, tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()

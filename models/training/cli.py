@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,7 +88,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.table:
         if not results.is_file():
             raise UsageError(f"{results}: no results yet (run compare first)")
-        print(table(json.loads(results.read_text())))
+        data = json.loads(results.read_text())
+        print(table(data))
+        _plot(data, args.plot)
         return 0
     names = [n.strip() for n in args.functions.split(",") if n.strip()] if args.functions else list(ALL)
     checkpoints = Path(args.checkpoints) if args.checkpoints else None
@@ -99,7 +102,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)  # called in-process (tests): leave the caller's setting
     print(table(data))
+    _plot(data, args.plot)
     return 0
+
+
+def _plot(data: dict[str, Any], out: str | None) -> None:
+    if out:
+        from models.training.compare_plot import plot_seed_accuracies
+
+        print(f"wrote {plot_seed_accuracies(data, out)}")
 
 
 def cmd_plot_simplex(args: argparse.Namespace) -> int:
@@ -146,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the shipped twins)")
     p.add_argument("--checkpoints", help="also save each trained model into this directory")
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the results so far")
+    p.add_argument("--plot", metavar="PNG", help="also draw each function's accuracy per seed and its step cost")
     p.add_argument("--retrain-twins", action="store_true",
                    help="train the MultiMax/softmax twins here too (timed like the others), not read the shipped ones")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
