@@ -78,20 +78,24 @@ def test_extra_seeds_train_every_function_again_and_the_table_gives_their_spread
     assert results.read_text() == before
 
 
-def test_the_table_takes_accuracy_spread_and_median_time_over_seeds() -> None:
-    from models.training.compare import table
+def test_the_table_takes_accuracy_spread_paired_differences_and_median_time_over_seeds() -> None:
+    from models.training.compare import paired_to_softmax, table
 
     def run(acc: float, seconds: float | None) -> dict[str, Any]:
         metrics = {"multimodality": 0.5, "sparsity": 0.1, "zero_share": 0.0, "entropy": 1.0}
         return {"heldout_accuracy": acc, "seconds": seconds, "options": {}, **metrics}
 
     data = {
-        "results": {"softmax": run(0.99, 900.0), "sparsemax": run(0.97, None)},
-        "seeds": {"2": {"softmax": run(0.97, 100.0)}, "10": {"softmax": run(0.98, 120.0)}},
+        "recipe": {"epochs": 120, "seed": 0},
+        "results": {"softmax": run(0.99, 900.0), "sparsemax": run(0.97, None), "gaussian": run(0.99, 1.0)},
+        "seeds": {"2": {"softmax": run(0.97, 100.0), "sparsemax": run(0.98, 5.0)}, "10": {"softmax": run(0.98, 120.0)}},
     }
     rows = {line.split(" | ")[0][2:]: line for line in table(data).splitlines()[2:]}
-    assert "| 99.00% | 98.00% ± 1.00% (3) | 120 |" in rows["softmax"]  # the median time: one slow run aside
-    assert "| 97.00% | 1 seed | ? |" in rows["sparsemax"]
+    assert "| 99.00% | 98.00% ± 1.00% (3) | (base) | 120 |" in rows["softmax"]  # the median time: one slow run aside
+    # paired by seed (0 and 2; seed 10 has no sparsemax run): -7.2 and +3.6 images, mean -1.8, standard error 5.4
+    assert paired_to_softmax(data, "sparsemax") == pytest.approx([-7.2, 3.6])
+    assert "| 97.00% | 97.50% ± 0.71% (2) | -1.8 ± 5.4 (2) | 5 |" in rows["sparsemax"]
+    assert "| 99.00% | 1 seed | ? | 1 |" in rows["gaussian"]  # one pair gives no spread
 
 
 def update_many(path: str, key: str) -> None:

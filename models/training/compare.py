@@ -48,6 +48,7 @@ OPTIONS: dict[str, dict[str, float]] = {"topk_softmax": {"k": 4}, "length_scaled
 SHIPPED = {"multimax": VISION_MULTIMAX, "softmax": VISION_SOFTMAX}
 ALL = ("multimax", "softmax", *OTHER_FUNCTIONS)
 RESULTS = Path("docs/reweighting_results.json")
+HELDOUT_IMAGES = 360  # every seed's stratified 20% of the 1797 digits
 
 
 @torch.no_grad()
@@ -229,11 +230,33 @@ def compare(
     return data
 
 
+def _by_seed(data: dict[str, Any], name: str) -> dict[int, dict[str, Any]]:
+    main = data.get("recipe", {}).get("seed", 0)
+    runs = {int(seed): by_name.get(name) for seed, by_name in data.get("seeds", {}).items()}
+    runs[main] = data.get("results", {}).get(name)
+    return {seed: runs[seed] for seed in sorted(runs, key=lambda s: (s != main, s)) if runs[seed] is not None}
+
+
 def seed_runs(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    """`name`'s result for the main seed and each extra seed that has one."""
-    runs = [data.get("results", {}).get(name)]
-    runs += [by_name.get(name) for _, by_name in sorted(data.get("seeds", {}).items(), key=lambda kv: int(kv[0]))]
-    return [r for r in runs if r is not None]
+    """`name`'s result for the main seed and each extra seed that has one (in that order)."""
+    return list(_by_seed(data, name).values())
+
+
+def paired_to_softmax(data: dict[str, Any], name: str) -> list[float]:
+    """Per seed that both ran: `name`'s held-out images right minus SoftMax's. The seed fixes the split and the
+    augmentation for every function, so these differences are far less noisy than the accuracies."""
+    base = _by_seed(data, "softmax")
+    return [
+        round((r["heldout_accuracy"] - base[seed]["heldout_accuracy"]) * HELDOUT_IMAGES, 3)
+        for seed, r in _by_seed(data, name).items()
+        if seed in base
+    ]
+
+
+def _paired(diffs: list[float]) -> str:
+    if len(diffs) < 2:
+        return "?"
+    return f"{statistics.mean(diffs):+.1f} ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.1f} ({len(diffs)})"
 
 
 def _over_seeds(runs: list[dict[str, Any]]) -> str:
@@ -247,12 +270,13 @@ def table(data: dict[str, Any]) -> str:
     """The results as a Markdown table (functions in the order of ALL; missing ones say 'not run yet').
 
     Accuracy and the attention metrics are the main seed's; "over seeds" is the mean ± sample standard deviation
-    of the held-out accuracy over every seed run (their count in brackets); training time is the median over
-    them (each was taken under the shared machine's load of its moment)."""
+    of the held-out accuracy over every seed run (their count in brackets); "vs SoftMax" is the mean ± standard
+    error of the per-seed difference in images right (paired_to_softmax); training time is the median over the
+    seeds (each was taken under the shared machine's load of its moment)."""
     rows = [
-        "| function | options | held-out accuracy | over seeds | training s (wall) | step vs SoftMax "
-        "| multi-modality M | sparsity S | zero weights | entropy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| function | options | held-out accuracy | over seeds | vs SoftMax, images | training s (wall) "
+        "| step vs SoftMax | multi-modality M | sparsity S | zero weights | entropy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     results = data.get("results", {})
     # Training-step cost ratios measured side by side (benchmarks.reweighting_train_cost --into): the wall
@@ -261,15 +285,16 @@ def table(data: dict[str, Any]) -> str:
     for name in ALL:
         r = results.get(name)
         if r is None:
-            rows.append(f"| {name} | | not run yet | | | | | | | |")
+            rows.append(f"| {name} | | not run yet | | | | | | | | |")
             continue
         runs = seed_runs(data, name)
         opts = ", ".join(f"{k}={v:g}" for k, v in r.get("options", {}).items())
         seconds = [x["seconds"] for x in runs if x.get("seconds") is not None]
         secs = f"{statistics.median(seconds):.0f}" if seconds else "?"
         step = f"{steps[name]:.2f}" if name in steps else "?"
+        paired = "(base)" if name == "softmax" else _paired(paired_to_softmax(data, name))
         rows.append(
-            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {_over_seeds(runs)} | {secs} | {step} | "
+            f"| {name} | {opts} | {r['heldout_accuracy']:.2%} | {_over_seeds(runs)} | {paired} | {secs} | {step} | "
             f"{r['multimodality']:.3f} | {r['sparsity']:.3f} | {r['zero_share']:.1%} | {r['entropy']:.2f} |"
         )
     return "\n".join(rows)

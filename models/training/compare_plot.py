@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from models.training.compare import ALL, seed_runs
+from models.training.compare import ALL, HELDOUT_IMAGES, seed_runs
 
 
 def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
@@ -27,7 +27,6 @@ def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
     fig, (acc_ax, step_ax) = plt.subplots(
         1, 2, figsize=(11, 0.45 * len(names) + 1.6), sharey=True, gridspec_kw={"width_ratios": [3, 1]}
     )
-    examples = 360  # the held-out split of every seed (20% of 1797, stratified)
     all_accs: list[float] = []
     for row, name in enumerate(names):
         accs = [100 * r["heldout_accuracy"] for r in seed_runs(data, name)]
@@ -42,7 +41,7 @@ def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
         if name in steps:
             step_ax.barh(row, steps[name], color="tab:gray")
             step_ax.text(steps[name], row, f" {steps[name]:.2f}", va="center", fontsize=8)
-    image = 100 / examples
+    image = 100 / HELDOUT_IMAGES
     low, high = min(all_accs) - image, min(100.0, max(all_accs) + image)
     acc_ax.set_xticks([100 - image * k for k in range(int((100 - low) / image) + 1)], minor=True)
     acc_ax.grid(True, which="minor", axis="x", alpha=0.25)
@@ -50,7 +49,7 @@ def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
     acc_ax.set_yticks(range(len(names)), names)
     acc_ax.invert_yaxis()
     seeds = 1 + len(data.get("seeds", {}))
-    acc_ax.set_xlabel(f"held-out accuracy, % (grid: one image of {examples}; ring: seed 0; red: mean ± sd)")
+    acc_ax.set_xlabel(f"held-out accuracy, % (grid: one image of {HELDOUT_IMAGES}; ring: seed 0; red: mean ± sd)")
     acc_ax.set_title(f"digits DeiT, {data.get('recipe', {}).get('epochs', '?')} epochs, {seeds} seed(s)")
     step_ax.axvline(1.0, color="black", lw=0.8)
     step_ax.set_xlabel("training step / SoftMax")
