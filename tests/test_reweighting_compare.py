@@ -185,6 +185,7 @@ def test_the_seed_plot_is_drawn_from_the_results(tmp_path: Path, capsys: pytest.
     png = tmp_path / "plots" / "acc.png"
     assert main(["compare", "--table", "-o", str(RESULTS), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
+    assert [f.name for f in png.parent.iterdir()] == ["acc.png"]  # written staged and renamed: nothing else left
     with pytest.raises(ValueError, match="no results to plot"):
         plot_seed_accuracies({"results": {}}, tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()

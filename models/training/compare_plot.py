@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from models.training.compare import ALL, HELDOUT_IMAGES, seed_runs
+from models.training.plot import save_figure
 
 
 def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
@@ -55,9 +56,4 @@ def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
     step_ax.set_xlabel("training step / SoftMax")
     step_ax.set_title("step cost (side by side)")
     step_ax.set_xlim(0, max([1.0, *steps.values()]) * 1.25)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)

@@ -6,10 +6,26 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from models.atomic import publish, staging_dir
 from models.multimax import sigma
+
+
+def save_figure(fig: Any, out: str | Path, dpi: int) -> Path:
+    """Lay out, write atomically as PNG (an interrupted run leaves the old file, never half a PNG), close."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with staging_dir(out) as staging:
+        fig.savefig(staging / out.name, dpi=dpi, format="png")
+        publish(staging / out.name, out)
+    plt.close(fig)
+    return out
 
 
 @dataclass
@@ -76,8 +92,4 @@ def plot_sigma(mods: list[LearnedModulation], out: str | Path, title: str, span:
     fig.suptitle(title)
     fig.supxlabel("SoftMax input x")
     fig.supylabel("σ(x)")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)

@@ -15,6 +15,7 @@ import torch
 
 from models.multimax import PAPER_TABLE_7, multimax, paper_row_to_params
 from models.reweighting import FUNCTIONS, Reweight
+from models.training.plot import save_figure
 
 LIMIT = 3.0  # the grid spans [-LIMIT, LIMIT]^2 for (x1, x2)
 GRID = 121
@@ -82,9 +83,4 @@ def plot_simplex(out: str | Path) -> Path:
     axes[1, 0].text(0.47, 0.9, "p3", fontsize=7)
     fig.suptitle("Each reweighting function on x = (x1, x2, 0): output colour = (p1, p2, p3) (top); "
                  "outputs on the simplex (bottom)", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=130)
