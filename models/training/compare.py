@@ -213,7 +213,7 @@ def compare(
     for run_seed in [seed, *extra_seeds]:
         main = run_seed == seed
         for name in names:
-            done = data["results"].get(name) if main else data.get("seeds", {}).get(str(run_seed), {}).get(name)
+            done = _by_seed(data, name).get(run_seed)
             if done is not None and not (retrain_twins and str(done.get("trained", "")).startswith("shipped")):
                 print(f"{name} (seed {run_seed}): done before, kept ({results})", flush=True)
                 continue

@@ -1,6 +1,6 @@
 """The compare results as a figure: each function's held-out accuracy per seed, and its training-step cost.
 
-Left: one row per function, a dot per seed (seed 0, the table's, ringed), the mean and ± one standard
+Left: one row per function, a dot per seed (the main seed, the table's, ringed), the mean and ± one standard
 deviation as a bar; a grid line every held-out image (0.28% of 360), so differences of one or two images
 read as what they are. Right: one training step's cost relative to SoftMax (benchmarks.reweighting_train_cost).
 """
@@ -49,9 +49,12 @@ def plot_seed_accuracies(data: dict[str, Any], out: str | Path) -> Path:
     acc_ax.set_xlim(low, high + image / 2)
     acc_ax.set_yticks(range(len(names)), names)
     acc_ax.invert_yaxis()
-    seeds = 1 + len(data.get("seeds", {}))
-    acc_ax.set_xlabel(f"held-out accuracy, % (grid: one image of {HELDOUT_IMAGES}; ring: seed 0; red: mean ± sd)")
-    acc_ax.set_title(f"digits DeiT, {data.get('recipe', {}).get('epochs', '?')} epochs, {seeds} seed(s)")
+    recipe, seeds = data.get("recipe", {}), 1 + len(data.get("seeds", {}))
+    acc_ax.set_xlabel(
+        f"held-out accuracy, % (grid: one image of {HELDOUT_IMAGES}; ring: seed {recipe.get('seed', 0)}; "
+        "red: mean ± sd)"
+    )
+    acc_ax.set_title(f"digits DeiT, {recipe.get('epochs', '?')} epochs, {seeds} seed(s)")
     step_ax.axvline(1.0, color="black", lw=0.8)
     step_ax.set_xlabel("training step / SoftMax")
     step_ax.set_title("step cost (side by side)")
