@@ -32,13 +32,17 @@ class Tolerance:
     logits_atol: float | None
     top1_min: float | None
     greedy_exact: bool
+    fused_atol: float | None = None  # the model outputs with the fused ops vs the function bodies (fused_check)
 
 
 # fp16: the issue's limits. int8: dynamic quantization changes logits by design; its accuracy change is
 # measured on real data (docs/BENCHMARKS.md), random inputs only report the deltas.
 TOLERANCES = {
-    "fp32": Tolerance(LOGITS_ATOL, 1.0, True),
-    "fp16": Tolerance(2e-2, 0.99, False),
+    "fp32": Tolerance(LOGITS_ATOL, 1.0, True, FUSED_ATOL),
+    # fp16: a float32 rounding difference in a fused node flips fp16 roundings after it (one step is 4.9e-4
+    # near 1), so the outputs with and without the library are held to the variant's own limit; each fused
+    # node is still held to float32 rounding on its own inputs (export.fused_check).
+    "fp16": Tolerance(2e-2, 0.99, False, 2e-2),
     "int8": Tolerance(None, None, False),
 }
 LEVELS = {"ORT_ENABLE_ALL": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -201,8 +205,8 @@ def probability_stats(
 
 
 def fused_atol(tolerance: Tolerance) -> float | None:
-    """The fused-ops check's limit: enforced where the logits' limit is (not for int8, whose deltas are reported)."""
-    return None if tolerance.logits_atol is None else FUSED_ATOL
+    """The fused-ops check's limit on the model's outputs: the variant's (int8's deltas are reported only)."""
+    return tolerance.fused_atol
 
 
 def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key: str = "top1_agreement") -> list[str]:
