@@ -128,6 +128,25 @@ def check_query(expr: str, exposition: Exposition) -> list[str]:
                 problems.append(f"{sel.name}{{{m.name}={m.value!r}}}: the server exports {sorted(values)}")
             elif m.op == promql_parser.MatchOp.Re and not any(re.fullmatch(m.value, v) for v in values):
                 problems.append(f"{sel.name}{{{m.name}=~{m.value!r}}}: matches none of {sorted(values)}")
+    return problems + _grouping_problems(expr, exposition)
+
+
+def _grouping_problems(expr: str, exposition: Exposition) -> list[str]:
+    """`sum by (label)` over series that lack the label: one group with an empty legend, a silent mistake."""
+    problems = []
+
+    def visit(node: promql_parser.Expr) -> None:
+        if not isinstance(node, promql_parser.AggregateExpr) or node.modifier is None:
+            return
+        if node.modifier.type != promql_parser.AggModifierType.By:
+            return
+        have = set(TARGET_LABELS)
+        for sel in selectors(str(node.expr)):
+            have.update(k for labels in exposition.series.get(sel.name or "", ()) for k in labels)
+        problems.extend(f"{node}: groups by {label!r}, which its series lack"
+                        for label in node.modifier.labels if label not in have)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
     return problems
 
 
