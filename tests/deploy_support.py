@@ -3,6 +3,7 @@ server's real routes, its real /metrics exposition after real requests, and Prom
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -11,11 +12,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import helm_python
+import jsonschema
+import kubernetes_validate
 import promql_parser
+import yaml
 from fastapi.testclient import TestClient
+from kubernetes_validate.utils import schema_contents
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from referencing import Registry, Resource
 
 from models.demo import DEMO_DIR
 from service.app import create_app
@@ -23,6 +31,9 @@ from service.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "multimax-serve"
+KUBE_VERSION = "1.30.0"  # the chart's kubeVersion floor
+CRDS = Path(__file__).parent / "data" / "crds"
 # Series Prometheus makes itself for every target: never in the server's exposition.
 PROMETHEUS_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 # Labels Prometheus (job, instance) and the Prometheus Operator (namespace, pod, service, endpoint, container)
@@ -45,6 +56,38 @@ class Exposition:
             for sample in family.samples:
                 series[sample.name].append(dict(sample.labels))
         return cls(dict(series))
+
+
+def render(values: dict[str, Any], name: str = "mm", namespace: str = "serving",
+           chart: Path = CHART) -> list[dict[str, Any]]:
+    """The chart's manifests as `helm template NAME CHART --namespace NAMESPACE` renders them (Helm's engine)."""
+    with helm_python.Chart.load(chart) as loaded:
+        out = loaded.render(values, name=name, namespace=namespace)
+    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text)]
+    return [d for d in docs if d]
+
+
+@functools.cache
+def _crd_validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
+    defs = schema_contents(f"kubernetes-json-schema/v{KUBE_VERSION}-local-strict/_definitions.json", KUBE_VERSION)
+    registry: Registry = Resource.from_contents(defs) @ Registry()
+    validators = {}
+    for path in CRDS.glob("*.json"):
+        schema = json.loads(path.read_text())
+        props = schema["properties"]
+        validators[(props["apiVersion"]["const"], props["kind"]["const"])] = jsonschema.Draft202012Validator(
+            schema, registry=registry)
+    return validators
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raises if the resource does not match its schema: Kubernetes' own (strict) for built-in kinds, the subset
+    in tests/data/crds for the CRDs the chart renders."""
+    crd = _crd_validators().get((doc["apiVersion"], doc["kind"]))
+    if crd is not None:
+        crd.validate(doc)
+    else:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
 def _png() -> bytes:

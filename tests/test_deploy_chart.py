@@ -20,21 +20,26 @@ from typing import Any
 
 import helm_python
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import DEPLOY, check_query, demo_client, exercised_exposition, get_routes, selectors
-from kubernetes_validate.utils import schema_contents
-from referencing import Registry, Resource
+from deploy_support import (
+    CHART,
+    DEPLOY,
+    KUBE_VERSION,
+    check_query,
+    demo_client,
+    exercised_exposition,
+    get_routes,
+    render,
+    selectors,
+    validate,
+)
 
 from models.demo import DEMO_DIR
 from service.config import Settings, build_parser, load_settings
 from service.metrics import Metrics
 
-CHART = DEPLOY / "helm" / "multimax-serve"
 ADAPTER_VALUES = DEPLOY / "helm" / "prometheus-adapter-values.yaml"
-KUBE_VERSION = "1.30.0"  # the chart's kubeVersion floor
-CRDS = Path(__file__).parent / "data" / "crds"
 KEYS = ["k-0123456789abcdef", "k-fedcba9876543210"]
 VOLUME = {"persistentVolumeClaim": {"claimName": "multimax-models", "readOnly": True}}
 
@@ -49,13 +54,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
               "models": {"volume": VOLUME, "names": ["digits_multimax", "text_multimax"]},
               "resources": {"limits": {"nvidia.com/gpu": 1}}, "serviceMonitor": {"enabled": True}},
 }
-
-
-def render(values: dict[str, Any]) -> list[dict[str, Any]]:
-    with helm_python.Chart.load(CHART) as chart:
-        out = chart.render(values, name="mm", namespace="serving")
-    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text)]
-    return [d for d in docs if d]
 
 
 @functools.cache
@@ -77,28 +75,6 @@ def containers(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     """Every container that runs `python -m service`: the Deployment's and the ServingRuntime's."""
     found = [c for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]]
     return found + [c for d in docs if d["kind"] == "ServingRuntime" for c in d["spec"]["containers"]]
-
-
-@functools.cache
-def crd_validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
-    defs = schema_contents("kubernetes-json-schema/v1.30.0-local-strict/_definitions.json", KUBE_VERSION)
-    registry: Registry = Resource.from_contents(defs) @ Registry()
-    validators = {}
-    for path in CRDS.glob("*.json"):
-        schema = json.loads(path.read_text())
-        props = schema["properties"]
-        validators[(props["apiVersion"]["const"], props["kind"]["const"])] = jsonschema.Draft202012Validator(
-            schema, registry=registry)
-    return validators
-
-
-def validate(doc: dict[str, Any]) -> None:
-    """Raises if the resource does not match its schema."""
-    crd = crd_validators().get((doc["apiVersion"], doc["kind"]))
-    if crd is not None:
-        crd.validate(doc)
-    else:
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
 def settings_of(args: list[str], tmp_path: Path, secret: dict[str, Any] | None = None) -> Settings:
