@@ -143,7 +143,10 @@ def test_value_sets_switch_the_optional_resources() -> None:
 def test_bad_values_fail_to_render_with_a_reason() -> None:
     cases = [({"apiKeys": {"create": True, "existingSecret": "x", "keys": KEYS}}, "either existingSecret or create"),
              ({"apiKeys": {"create": True}}, "at least one key"),
-             ({"terminationGracePeriodSeconds": 30}, "must exceed")]
+             ({"terminationGracePeriodSeconds": 30}, "must exceed"),
+             # values.schema.json: a misspelt key, a wrong type
+             ({"autoscalling": {"enabled": True}}, "additional properties 'autoscalling' not allowed"),
+             ({"server": {"gracefulTimeoutSeconds": "30"}}, "want number")]
     for values, reason in cases:
         with pytest.raises(helm_python.HelmError, match=reason):
             render(values)
