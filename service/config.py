@@ -42,6 +42,22 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+class BlankValue(ValueError, argparse.ArgumentTypeError):
+    """A protection option given with an empty or blank value (argparse shows the message as it is)."""
+
+
+def _nonblank(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for an option whose empty value would turn a protection off (no API key, no TLS, CORS with
+    nothing in it): such a value is a mistake (an unset shell variable, a stray comma), never "off"."""
+    def parse_nonblank(text: str) -> Any:
+        value = parse(text) if text.strip() else None
+        if value is None or value == ():
+            raise BlankValue("empty or blank value: it would turn a protection off; leave the option out "
+                             "(or give a real value)")
+        return value
+    return parse_nonblank
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything `create_app` needs; the defaults serve the shipped demo models on localhost."""
@@ -185,20 +201,22 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("log_format", str, "log lines as text, or one JSON object per line", choices=LOG_FORMATS),
     _Option("otlp_endpoint", str, "send OpenTelemetry traces (one span per request) to this OTLP/HTTP endpoint, "
             "e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra (empty: off)", "URL"),
-    _Option("api_key", _names, "require `Authorization: Bearer KEY` with one of these keys (repeatable; the "
+    _Option("api_key", _nonblank(_names), "require `Authorization: Bearer KEY` with one of these keys (repeatable; "
+            "the "
             "environment variable takes a comma list); never logged", "KEY", repeat=True),
-    _Option("api_key_file", str, "file of API keys, one per line (# comments and blank lines ignored)", "PATH"),
-    _Option("auth_health", _bool, "with API keys: health and readiness need a key too", "BOOL"),
-    _Option("auth_metrics", _bool, "with API keys: /metrics needs a key too", "BOOL"),
-    _Option("cors_allow_origins", _names, "CORS: comma-separated origins allowed to call from a browser, or * "
-            "(empty: CORS off)", "ORIGINS"),
-    _Option("cors_allow_methods", _names, "CORS: allowed methods", "METHODS"),
-    _Option("cors_allow_headers", _names, "CORS: allowed request headers", "HEADERS"),
+    _Option("api_key_file", _nonblank(str), "file of API keys, one per line (# comments and blank lines ignored)",
+            "PATH"),
+    _Option("auth_health", _nonblank(_bool), "with API keys: health and readiness need a key too", "BOOL"),
+    _Option("auth_metrics", _nonblank(_bool), "with API keys: /metrics needs a key too", "BOOL"),
+    _Option("cors_allow_origins", _nonblank(_names), "CORS: comma-separated origins allowed to call from a browser, "
+            "or * (not given: CORS off)", "ORIGINS"),
+    _Option("cors_allow_methods", _nonblank(_names), "CORS: allowed methods", "METHODS"),
+    _Option("cors_allow_headers", _nonblank(_names), "CORS: allowed request headers", "HEADERS"),
     _Option("cors_allow_credentials", _bool, "CORS: allow credentialed requests (cookies; not needed for "
             "bearer keys; not with origin *)", "BOOL"),
-    _Option("ssl_certfile", str, "TLS: certificate file (PEM, chain first) -- serve HTTPS", "PATH"),
-    _Option("ssl_keyfile", str, "TLS: private key file (PEM)", "PATH"),
-    _Option("ssl_keyfile_password", str, "TLS: password of an encrypted key file (prefer the environment "
+    _Option("ssl_certfile", _nonblank(str), "TLS: certificate file (PEM, chain first) -- serve HTTPS", "PATH"),
+    _Option("ssl_keyfile", _nonblank(str), "TLS: private key file (PEM)", "PATH"),
+    _Option("ssl_keyfile_password", _nonblank(str), "TLS: password of an encrypted key file (prefer the environment "
             "variable: the command line is visible to other users)", "PASSWORD"),
     _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
             "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
@@ -256,7 +274,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
             try:
                 values[opt.name] = opt.parse(raw)
             except ValueError as exc:
-                parser.error(f"{env_name(opt.name)}={raw!r}: {exc}")
+                shown = "" if opt.name in SECRET_OPTIONS else f"={raw!r}"  # a secret is never echoed
+                parser.error(f"{env_name(opt.name)}{shown}: {exc}")
             if opt.choices and values[opt.name] not in opt.choices:
                 parser.error(f"{env_name(opt.name)}={raw!r}: choose from {', '.join(opt.choices)}")
     try:
