@@ -64,6 +64,12 @@ class ServiceError(Exception):
         return "invalid_input" if self.status < 500 else "error"
 
 
+def shown(text: str, limit: int = 64) -> str:
+    """A client's value as an error message quotes it: repr, cut to `limit` characters (a path parameter or a
+    field may be megabytes long; the answer and the log line stay short)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ServiceError:
     return ServiceError(400, message, param=param, code=code)
 

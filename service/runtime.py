@@ -18,7 +18,7 @@ from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
 from service.entry import SERVED_TASKS, ModelEntry
-from service.errors import ServiceError
+from service.errors import ServiceError, shown
 from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
 from service.registry import Failed, Loaded
@@ -38,6 +38,12 @@ def output_probabilities(output_function: str | None, logits: np.ndarray) -> np.
     if output_function is None:
         return softmax(logits)
     return probabilities(output_function, torch.from_numpy(np.ascontiguousarray(logits))).numpy()
+
+
+def version_number(text: str) -> int | None:
+    """A version path parameter as a number, or None: ASCII digits only, and few enough that int() is cheap and
+    never hits Python's digit limit (a version of 5,000 digits is simply not a version this server has)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 class _Runtime:
@@ -255,15 +261,15 @@ class Runtimes:
             if name in self.names():
                 raise ServiceError(404, f"model {name!r} is not served: {self.why_not(name)}",
                                    code="model_not_found", param="model")
-            raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
+            raise ServiceError(404, f"model {shown(name)} not found (served: {', '.join(self.models)})",
                                code="model_not_found", param="model")
         if version is None or version == "":
             return self.models[name]
         versions = self.versions[name]
-        number = int(version) if isinstance(version, int) or (version.isascii() and version.isdigit()) else None
+        number = version if isinstance(version, int) else version_number(version)
         if number not in versions:
             why = (self.unavailable.get(name) or {}).get(number or 0)
-            raise ServiceError(404, f"model {name!r} has no version {str(version)!r} "
+            raise ServiceError(404, f"model {name!r} has no version {shown(str(version))} "
                                f"{f'({why}) ' if why else ''}(served: {', '.join(map(str, versions))})",
                                code="model_not_found", param="version")
         return versions[number]

@@ -4,11 +4,17 @@ strict request types, truncated images, and a Retry-After that follows the queue
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 
+from benchmarks.server import start, stop
 from service.config import load_settings
 
 # ---- 1. a setting that silently disables a protection ----------------------------------------------------------
@@ -60,3 +66,54 @@ def test_real_values_still_work() -> None:
     s = load_settings(["--api-key", "k1,k2", "--cors-allow-origins", "https://app.example"],
                       {"MULTIMAX_SERVE_AUTH_HEALTH": "true"})
     assert s.api_keys == ("k1", "k2") and s.auth_health and s.cors_allow_origins == ("https://app.example",)
+
+
+# ---- a real server, shared by the tests below ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, Any]]:
+    """`python -m service` (the demo models) on a free loopback port: (URL, its log file)."""
+    log = tempfile.TemporaryFile("w+")
+    proc, url = start(output=log)
+    try:
+        yield url, log
+    finally:
+        stop(proc)
+        log.close()
+
+
+def _log_text(log: Any) -> str:
+    log.seek(0)
+    return str(log.read())
+
+
+# ---- 3. path parameters of any length or content --------------------------------------------------------------
+
+LONG = "9" * 5000
+PATHS = [
+    ("GET", f"/v2/models/digits_multimax/versions/{LONG}/ready"),
+    ("GET", f"/v2/models/digits_multimax/versions/{LONG}"),
+    ("GET", f"/v2/models/digits_multimax/versions/{LONG}/config"),
+    ("POST", f"/v2/models/digits_multimax/versions/{LONG}/infer"),
+    ("GET", "/v2/models/digits_multimax/versions/%C2%B2/ready"),  # a Unicode digit
+    ("GET", "/v2/models/digits_multimax/versions/-1/ready"),
+    ("GET", "/v2/models/digits_multimax/versions/%00/ready"),
+    ("GET", f"/v2/models/{'x' * 20000}/ready"),
+    ("GET", f"/v1/models/{'x' * 20000}"),
+    ("POST", f"/v1/models/{LONG}/classify"),
+    ("GET", "/v2/models/%F0%9F%92%A5%2F..%2F/ready"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), PATHS, ids=lambda p: p[:40] if isinstance(p, str) else p)
+def test_every_path_parameter_gets_a_4xx_and_no_traceback(served: tuple[str, Any], method: str, path: str) -> None:
+    url, log = served
+    body = {"inputs": [{"name": "pixel_values", "shape": [1, 1, 32, 32], "datatype": "FP32",
+                        "data": [0.0] * 1024}]} if method == "POST" else None
+    r = httpx.request(method, url + path, json=body, timeout=30)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert len(json.dumps(error)) < 1000  # a 20,000-character name is not echoed whole
+    assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+    assert "Traceback" not in _log_text(log)
