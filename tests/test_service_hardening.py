@@ -74,13 +74,12 @@ def test_real_values_still_work() -> None:
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, Any]]:
     """`python -m service` (the demo models) on a free loopback port: (URL, its log file)."""
-    log = tempfile.TemporaryFile("w+")
-    proc, url = start(output=log)
-    try:
-        yield url, log
-    finally:
-        stop(proc)
-        log.close()
+    with tempfile.TemporaryFile("w+") as log:
+        proc, url = start(output=log)
+        try:
+            yield url, log
+        finally:
+            stop(proc)
 
 
 def _log_text(log: Any) -> str:
