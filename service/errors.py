@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from starlette.responses import Response
@@ -17,8 +18,10 @@ from service.context import current_id
 log = logging.getLogger(__name__)
 
 # outcome label of the requests counter, by status
-OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 408: "timeout",
-                     499: "cancelled"}
+# (401 and 403 are counted apart, under no model: an unauthenticated or cross-site client does not count against
+# the model it named)
+OUTCOME_BY_STATUS = {401: "unauthorized", 403: "forbidden", 429: "rejected", 413: "rejected", 503: "rejected",
+                     504: "timeout", 408: "timeout", 499: "cancelled"}
 
 _TYPES = {
     400: "invalid_request_error",
@@ -68,6 +71,15 @@ def shown(text: str, limit: int = 64) -> str:
     """A client's value as an error message quotes it: repr, cut to `limit` characters (a path parameter or a
     field may be megabytes long; the answer and the log line stay short)."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:]+[/\\])*([^\s'\"/\\:,;)]+)")
+
+
+def without_paths(text: str) -> str:
+    """`text` with every absolute file path cut to its file name: reasons shown on open routes (readiness, the
+    repository index) must not tell an unauthenticated client where the server keeps its files."""
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1), text)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ServiceError:

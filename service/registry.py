@@ -25,6 +25,7 @@ from service.backends.base import Backend, BackendUnavailable
 from service.backends.checks import check_io
 from service.config import Settings
 from service.entry import SERVED_TASKS, ModelEntry
+from service.errors import without_paths
 from service.vision import Preprocess
 from service.warmup import warm_up
 
@@ -248,8 +249,10 @@ def load_versions(name: str, versions: dict[int, Files], settings: Settings) -> 
         try:
             entries[version] = load_version(name, version, files, settings)
         except Exception as exc:  # whatever a bad file raises (MemoryError included), it costs one version only
-            failed[version] = _one_line(exc)
-            log.error("%s: not served: %s (version %d)", name, failed[version], version)
+            # The log (read by operators) has the whole line; the reason that readiness and the repository index
+            # show (to any client) names files, never where they are.
+            log.error("%s: not served: %s (version %d)", name, _one_line(exc), version)
+            failed[version] = without_paths(_one_line(exc))
     return entries, failed
 
 

@@ -255,14 +255,15 @@ class Runtimes:
             return []  # not started yet, or stopping: the loops end on purpose
         return [rt.name for versions in self.versions.values() for rt in versions.values() if not rt.worker.alive]
 
-    def get(self, name: str, version: str | int | None = None) -> ModelRuntime:
-        """The runtime of `name` (its latest version, or `version`); 404 with the reason otherwise."""
+    def get(self, name: str, version: str | int | None = None, *, list_served: bool = True) -> ModelRuntime:
+        """The runtime of `name` (its latest version, or `version`); 404 with the reason otherwise (naming the
+        served models when `list_served`: not on the open readiness route)."""
         if name not in self.models:
             if name in self.names():
                 raise ServiceError(404, f"model {name!r} is not served: {self.why_not(name)}",
                                    code="model_not_found", param="model")
-            raise ServiceError(404, f"model {shown(name)} not found (served: {', '.join(self.models)})",
-                               code="model_not_found", param="model")
+            served = f" (served: {', '.join(self.models)})" if list_served else ""
+            raise ServiceError(404, f"model {shown(name)} not found{served}", code="model_not_found", param="model")
         if version is None or version == "":
             return self.models[name]
         versions = self.versions[name]

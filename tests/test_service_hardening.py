@@ -5,17 +5,23 @@ strict request types, truncated images, and a Retry-After that follows the queue
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import start, stop
-from service.config import load_settings
+from models.demo import DEMO_DIR
+from service.app import create_app
+from service.config import Settings, load_settings
 
 # ---- 1. a setting that silently disables a protection ----------------------------------------------------------
 
@@ -116,3 +122,64 @@ def test_every_path_parameter_gets_a_4xx_and_no_traceback(served: tuple[str, Any
     assert len(json.dumps(error)) < 1000  # a 20,000-character name is not echoed whole
     assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
     assert "Traceback" not in _log_text(log)
+
+
+# ---- 7. what an unauthenticated client learns -----------------------------------------------------------------
+
+KEY = "k-hardening-1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODELS = ("digits_multimax", "digits_softmax", "text_multimax")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Path]]:
+    """The demo models and one broken file, with an API key: (client, model directory)."""
+    model_dir = tmp_path_factory.mktemp("models")
+    for name in ("digits_multimax.onnx", "text_multimax.onnx"):
+        shutil.copy(DEMO_DIR / name, model_dir / name)
+    (model_dir / "broken.onnx").write_bytes(b"not an onnx file")
+    settings = Settings(model_dir=model_dir, api_key=(KEY,), warmup_calls=0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        yield client, model_dir
+
+
+def test_open_routes_name_no_other_model_and_no_path(keyed: tuple[TestClient, Path]) -> None:
+    client, model_dir = keyed
+    unknown = client.get("/v2/models/nope/ready")
+    assert unknown.status_code == 404 and not any(m in unknown.text for m in MODELS)
+    broken = client.get("/v2/models/broken/ready")
+    assert broken.status_code == 400 and broken.json()["reason"]
+    assert str(model_dir) not in broken.text and "/tmp" not in broken.text
+    index = client.post("/v2/repository/index", headers=AUTH).json()
+    reason = next(r["reason"] for r in index if r["name"] == "broken")
+    assert "broken.onnx" in reason, reason
+    assert str(model_dir) not in json.dumps(index)
+    # A model that keeps failing: the server's readiness names it only to a client with the key.
+    rt = client.app.state.runtimes.models["digits_multimax"]  # type: ignore[attr-defined]
+    rt.batcher.health.failed("RuntimeError: from /srv/secret/place/model.onnx")
+    try:
+        for _ in range(4):
+            rt.batcher.health.failed("RuntimeError: from /srv/secret/place/model.onnx")
+        anonymous = client.get("/v2/health/ready").json()
+        assert "digits_multimax" not in json.dumps(anonymous) and "1 model" in anonymous["reason"]
+        keyed_view = client.get("/v2/health/ready", headers=AUTH).json()
+        assert "digits_multimax" in keyed_view["reason"] and "/srv/secret" not in keyed_view["reason"]
+        own = client.get("/v2/models/digits_multimax/ready").json()
+        assert "model.onnx" in own["reason"] and "/srv/secret" not in own["reason"]
+    finally:
+        rt.batcher.health.succeeded()
+
+
+def test_401s_are_counted_apart_from_the_model(keyed: tuple[TestClient, Path]) -> None:
+    client, _ = keyed
+
+    def count(model: str, outcome: str) -> float:
+        text = client.get("/metrics").text
+        return sample_value(text, "multimax_requests_total", model=model, endpoint="classify", outcome=outcome)
+
+    before = count("digits_multimax", "invalid_input")
+    for _ in range(3):
+        r = client.post("/v1/models/digits_multimax/classify", content=b"x", headers={"Content-Type": "image/png"})
+        assert r.status_code == 401
+    assert count("digits_multimax", "invalid_input") == before
+    assert count("_unknown", "unauthorized") == 3
