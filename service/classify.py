@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
 from service.batcher import BatchResult
+from service.bodies import media_type, read_body
 from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
@@ -66,10 +67,6 @@ class ClassificationResponse(BaseModel):
     predictions: list[list[Prediction]]  # per image, the top-k labels by probability
 
 
-def _media_type(request: Request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
 def _b64(item: Any, index: int) -> bytes:
     if not isinstance(item, str):
         raise bad_request(f"images[{index}] must be a base64 string, got {type(item).__name__}", "images")
@@ -95,12 +92,15 @@ def _images_json(body: bytes, limit: int, json_limit: int) -> list[bytes]:
     return [_b64(item, i) for i, item in enumerate(images)]
 
 
-async def read_images(request: Request, limit: int, json_limit: int) -> list[bytes]:
+async def read_images(request: Request, limit: int, json_limit: int, body_limit: int) -> list[bytes]:
     """decode_request, first half: the request's image files as bytes (4xx for a malformed request)."""
-    media = _media_type(request)
+    media = media_type(request)
     if media.startswith("image/") or media == "application/octet-stream":
-        return [await request.body()]
+        return [await read_body(request, body_limit)]
     if media == "multipart/form-data":
+        if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise ServiceError(415, "Content-Encoding is not supported with multipart/form-data: compress the "
+                               "parts' files, or send the images raw or as JSON", code="bad_encoding")
         form = await request.form(max_files=limit + 1, max_fields=limit + 16)
         try:
             files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
@@ -112,7 +112,7 @@ async def read_images(request: Request, limit: int, json_limit: int) -> list[byt
         finally:
             await form.close()
     if media == "application/json":
-        return _images_json(await request.body(), limit, json_limit)
+        return _images_json(await read_body(request, body_limit), limit, json_limit)
     shown = media or "none"
     raise ServiceError(415, f"content type {shown} not accepted: send an image (image/png, image/jpeg, ...), "
                             "multipart/form-data or application/json", code="unsupported_media_type")
@@ -133,7 +133,8 @@ def _decode_all(blobs: list[bytes], spec: Preprocess, max_pixels: int, min_side:
 async def decode_request(request: Request, rt: VisionRuntime, settings: Any) -> np.ndarray:
     """The request as model rows (n, C, H, W): read, then decode and preprocess every image in a worker thread
     (one hop per request, whatever the images' size: the event loop never decodes)."""
-    blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes)
+    blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes,
+                              settings.max_body_bytes)
     return await asyncio.to_thread(_decode_all, blobs, rt.preprocess, settings.max_image_pixels,
                                    settings.min_image_side)
 

@@ -114,7 +114,8 @@ def error_response(path: str, status: int, message: str, *, code: str | None = N
 _WHY = {
     400: "invalid request: malformed body, value out of range, tensor that does not fit the model",
     401: "missing or wrong API key (when the server has API keys)",
-    403: "model control (load/unload) is disabled (--model-control none)",
+    403: "a browser request from an origin --cors-allow-origins does not allow (or, for load/unload, model "
+         "control is disabled: --model-control none)",
     404: "unknown model, version or route",
     408: "request body not received within body_timeout_s",
     413: "body over max_body_bytes (JSON: over max_json_bytes)",
@@ -133,7 +134,7 @@ _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error"
 _KSERVE_ERROR = {"type": "object", "required": ["error"],
                  "properties": {"error": {"type": "string"}, "request_id": {"type": "string"}}}
 
-MODEL_CALL = (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
+MODEL_CALL = (400, 403, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
 LOOKUP = (404,)  # metadata of one model
 
 

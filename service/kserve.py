@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
 from service.auth import authenticated
+from service.bodies import JSON, require_media
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
@@ -192,6 +193,8 @@ async def model_config(name: str, request: Request, version: str | None = None) 
 
 
 async def read_request(request: Request, limit: int, json_limit: int) -> tuple[dict[str, Any], bytes]:
+    # JSON, or the binary-data extension (Triton's client sends that with no content type, or octet-stream)
+    require_media(request, (JSON, "application/octet-stream"))
     return parse_body(await request.body(), request.headers.get("content-encoding", ""),
                       request.headers.get(HEADER_LENGTH), limit, json_limit)
 

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
 from service import choices
+from service.bodies import JSON, read_body, require_media
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
@@ -310,10 +311,11 @@ def _prompt_too_long(obj: Any, limit: int) -> bool:
 async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
     """The request body as a CompletionRequest: bounded, strict JSON, cheap checks before validation."""
     settings = runtimes.settings
+    require_media(request, (JSON,))
     declared = request.headers.get("content-length", "")
-    if declared.isdigit():
+    if declared.isascii() and declared.isdigit() and request.headers.get("content-encoding") is None:
         check_size(int(declared), settings.max_json_bytes)
-    body = await request.body()
+    body = await read_body(request, settings.max_json_bytes)
     check_size(len(body), settings.max_json_bytes)
     obj = loads(body)
     model = obj.get("model") if isinstance(obj, dict) else None
@@ -324,7 +326,8 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
             raise bad_request(f"prompt holds more token ids (or prompts) than this model's context of "
                               f"{rt.context_length} tokens", "prompt", code="context_length_exceeded")
     try:
-        return CompletionRequest.model_validate(obj)
+        # strict: "10", "true", [[false]] are not numbers, booleans or token ids (OpenAI refuses them too)
+        return CompletionRequest.model_validate(obj, strict=True)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 

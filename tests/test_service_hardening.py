@@ -4,11 +4,14 @@ strict request types, truncated images, and a Retry-After that follows the queue
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import start, stop
@@ -183,3 +187,119 @@ def test_401s_are_counted_apart_from_the_model(keyed: tuple[TestClient, Path]) -
         assert r.status_code == 401
     assert count("digits_multimax", "invalid_input") == before
     assert count("_unknown", "unauthorized") == 3
+
+
+# ---- 2. cross-site requests --------------------------------------------------------------------------------------
+
+FOREIGN = "https://evil.example"
+
+
+def _png_bytes(size: int = 32, value: int = 0) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (size, size), value).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def controlled() -> Iterator[str]:
+    """A server with model control on, no API key and one allowed CORS origin (a real socket)."""
+    proc, url = start("--model-control", "explicit", "--cors-allow-origins", "https://app.example",
+                      "--models", "digits_multimax,text_multimax", "--warmup-calls", "0")
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_a_foreign_page_cannot_unload_a_model_or_run_one(controlled: str) -> None:
+    url = controlled
+    simple = {"Origin": FOREIGN, "Content-Type": "text/plain"}
+    r = httpx.post(f"{url}/v2/repository/models/digits_multimax/unload", headers=simple, content=b"", timeout=30)
+    assert r.status_code == 403 and "cross-origin" in r.json()["error"]
+    completion = json.dumps({"model": "text_multimax", "prompt": "a", "max_tokens": 1}).encode()
+    r = httpx.post(f"{url}/v1/completions", headers=simple, content=completion, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_refused"
+    files = {"file": ("x.png", _png_bytes(), "image/png")}
+    r = httpx.post(f"{url}/v1/models/digits_multimax/classify", headers={"Origin": "null"}, files=files, timeout=30)
+    assert r.status_code == 403
+    assert httpx.get(f"{url}/v2/models/digits_multimax/ready", timeout=30).status_code == 200  # still served
+    # Non-browser clients (no Origin) keep working: curl -F uploads, JSON clients.
+    r = httpx.post(f"{url}/v1/models/digits_multimax/classify", files=files, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", json=json.loads(completion), timeout=30)
+    assert r.status_code == 200, r.text
+    # The allowed origin and the server's own pages (/docs) may call.
+    for origin in ("https://app.example", url):
+        r = httpx.post(f"{url}/v1/completions", json=json.loads(completion), headers={"Origin": origin}, timeout=30)
+        assert r.status_code == 200, (origin, r.text)
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert sample_value(metrics, "multimax_requests_total", model="_unknown", endpoint="completions",
+                        outcome="forbidden") == 1
+
+
+@pytest.mark.parametrize(("path", "content_type"), [
+    ("/v1/completions", "text/plain"),
+    ("/v1/completions", "application/x-www-form-urlencoded"),
+    ("/v1/completions", "multipart/form-data; boundary=x"),
+    ("/v2/models/digits_multimax/infer", "text/plain"),
+    ("/v2/repository/index", "text/plain"),
+    ("/v2/repository/models/digits_multimax/unload", "application/x-www-form-urlencoded"),
+])
+def test_json_routes_refuse_the_content_types_of_simple_requests(controlled: str, path: str,
+                                                                 content_type: str) -> None:
+    body = json.dumps({"model": "text_multimax", "prompt": "a", "max_tokens": 1}).encode()
+    r = httpx.post(controlled + path, content=body, headers={"Content-Type": content_type}, timeout=30)
+    assert r.status_code == 415, r.text
+    assert "application/json" in r.text
+    assert httpx.get(f"{controlled}/v2/models/digits_multimax/ready", timeout=30).status_code == 200
+
+
+# ---- 8. strict types, and content encodings ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(warmup_calls=0)), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize("field", [{"max_tokens": "10"}, {"stream": "true"}, {"echo": "yes"}, {"n": "16"},
+                                   {"prompt": [[False]]}, {"prompt": [True, 1]}, {"max_tokens": True},
+                                   {"temperature": "0.5"}, {"logprobs": "1"}, {"seed": "5"},
+                                   {"stream_options": {"include_usage": "true"}, "stream": True},
+                                   {"max_tokens": 10.0}])
+def test_completion_fields_are_not_coerced(client: TestClient, field: dict[str, Any]) -> None:
+    body = {"model": "text_multimax", "prompt": "a", "max_tokens": 2} | field
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_numbers_booleans_and_token_ids_of_the_right_type_still_work(client: TestClient) -> None:
+    body = {"model": "text_multimax", "prompt": [[65, 66]], "max_tokens": 2, "temperature": 0, "top_p": 1,
+            "echo": False, "stream": False, "n": 1, "logit_bias": {}, "seed": 3}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_gzip_bodies_are_inflated_within_the_limits(client: TestClient) -> None:
+    body = json.dumps({"model": "text_multimax", "prompt": "Return the", "max_tokens": 2, "temperature": 0})
+    plain = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    for encoding, data in (("gzip", gzip.compress(body.encode())), ("deflate", zlib.compress(body.encode()))):
+        r = client.post("/v1/completions", content=data,
+                        headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    bomb = gzip.compress(b" " * (4 * 1024 * 1024) + body.encode())  # 4 MiB of JSON whitespace: over max_json_bytes
+    r = client.post("/v1/completions", content=bomb,
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 413
+    r = client.post("/v1/completions", content=body,
+                    headers={"Content-Type": "application/json", "Content-Encoding": "br"})
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=gzip.compress(body.encode())[:20],
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "gzip" in r.json()["error"]["message"]
+    r = client.post("/v1/models/digits_multimax/classify", content=gzip.compress(_png_bytes()),
+                    headers={"Content-Type": "image/png", "Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
