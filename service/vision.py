@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ServiceError
+from service.pngcheck import missing_rows
 
 RESAMPLING = {
     "nearest": Image.Resampling.NEAREST,
@@ -74,6 +75,10 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
                 raise ServiceError(422, f"image of {width}x{height} pixels is too small (sides must be at least "
                                         f"{min_side})", code="image_too_small")
             image.load()
+            short = missing_rows(data) if image.format == "PNG" else None
+            if short is not None:
+                raise ServiceError(422, f"image data ends early: the compressed rows stop after about {short[0]} "
+                                        f"of {short[1]} rows", code="invalid_image")
             if image.getexif().get(0x0112, 1) != 1:  # phone photos: honour the orientation tag
                 image = ImageOps.exif_transpose(image)
     except ServiceError:

@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -26,6 +28,7 @@ from benchmarks.server import start, stop
 from models.demo import DEMO_DIR
 from service.app import create_app
 from service.config import Settings, load_settings
+from service.pngcheck import missing_rows
 
 # ---- 1. a setting that silently disables a protection ----------------------------------------------------------
 
@@ -303,3 +306,41 @@ def test_gzip_bodies_are_inflated_within_the_limits(client: TestClient) -> None:
     r = client.post("/v1/models/digits_multimax/classify", content=gzip.compress(_png_bytes()),
                     headers={"Content-Type": "image/png", "Content-Encoding": "gzip"})
     assert r.status_code == 200, r.text
+
+
+# ---- 9. images whose data ends early -------------------------------------------------------------------------
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def short_png(width: int, height: int, rows: int) -> bytes:
+    """A greyscale PNG whose (properly terminated) zlib stream holds only `rows` of its `height` rows."""
+    raw = b"".join(b"\0" + b"\x80" * width for _ in range(rows))
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(raw))
+            + _png_chunk(b"IEND", b""))
+
+
+def test_a_png_whose_rows_stop_early_is_422_not_a_prediction_on_zeros(client: TestClient) -> None:
+    r = client.post("/v1/models/digits_multimax/classify", content=short_png(2000, 2000, 10),
+                    headers={"Content-Type": "image/png"})
+    assert r.status_code == 422, r.text
+    assert "ends early" in r.json()["error"]["message"] and "10 of 2000" in r.json()["error"]["message"]
+    whole = client.post("/v1/models/digits_multimax/classify", content=short_png(64, 64, 64),
+                        headers={"Content-Type": "image/png"})
+    assert whole.status_code == 200, whole.text
+    last_row_missing = client.post("/v1/models/digits_multimax/classify", content=short_png(64, 64, 63),
+                                   headers={"Content-Type": "image/png"})
+    assert last_row_missing.status_code == 422
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA", "P", "1", "I;16", "LA"])
+def test_complete_pngs_of_every_mode_pass_the_row_check(mode: str) -> None:
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (37, 53, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    assert missing_rows(buf.getvalue()) is None
+    assert missing_rows(short_png(53, 37, 36)) == (36, 37)
