@@ -93,6 +93,8 @@ class Settings:
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    idle_timeout_s: float = 10.0  # a connection that sends nothing is closed after this
+    max_connections: int = 1000  # open connections; beyond, requests other than health probes get 503
     # Process.
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
@@ -128,7 +130,7 @@ class Settings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
-                    "max_prompts_per_request", "max_choices_per_request")
+                    "max_prompts_per_request", "max_choices_per_request", "max_connections")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -136,7 +138,8 @@ class Settings:
                      "warmup_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:
@@ -194,6 +197,9 @@ OPTIONS: tuple[_Option, ...] = (
             "(prompts x best_of, or x n)", "N"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
+    _Option("idle_timeout_s", float, "a connection that sends nothing is closed after this", "S"),
+    _Option("max_connections", int, "open connections; beyond, every request but a health probe gets 503 and the "
+            "connection is closed", "N"),
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
     _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
     _Option("access_log", _bool, "log every request (method, path, status, durations, model, request id)", "BOOL"),

@@ -8,10 +8,12 @@ import gzip
 import io
 import json
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,3 +346,45 @@ def test_complete_pngs_of_every_mode_pass_the_row_check(mode: str) -> None:
     image.save(buf, "PNG")
     assert missing_rows(buf.getvalue()) is None
     assert missing_rows(short_png(53, 37, 36)) == (36, 37)
+
+
+# ---- 5. connections ------------------------------------------------------------------------------------------------
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset: closed too
+
+
+def test_silent_connections_are_closed_and_a_flood_is_refused_while_probes_answer() -> None:
+    limit = 20
+    proc, url = start("--models", "digits_multimax", "--warmup-calls", "0", "--max-connections", str(limit),
+                      "--idle-timeout-s", "2")
+    port = int(url.rsplit(":", 1)[1])
+    silent: list[socket.socket] = []
+    try:
+        with httpx.Client(timeout=10) as keep:  # a client connected before the flood keeps its connection
+            assert keep.get(f"{url}/v1/models").status_code == 200
+            for _ in range(2 * limit):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.2)
+            probe = httpx.get(f"{url}/v2/health/ready", timeout=10)
+            assert probe.status_code == 200  # the probe answers during the flood
+            live = httpx.get(f"{url}/v2/health/live", timeout=10)
+            assert live.status_code == 200
+            refused = httpx.get(f"{url}/v1/models", timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
+            assert refused.headers["connection"] == "close" and refused.headers["retry-after"] == "1"
+            assert keep.get(f"{url}/v1/models").status_code == 200
+            # Every silent connection is closed by the server (those over the limit first, within ~1 s).
+            assert all(_closed_by_server(s, 5) for s in silent)
+            assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
+    finally:
+        for s in silent:
+            s.close()
+        stop(proc)
