@@ -95,6 +95,7 @@ class Settings:
     body_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # a connection that sends nothing is closed after this
     max_connections: int = 1000  # open connections; beyond, requests other than health probes get 503
+    max_model_bytes: int = 16 * 1024**3  # a model file larger than this is not loaded (its reason says so)
     # Process.
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
@@ -130,7 +131,7 @@ class Settings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
-                    "max_prompts_per_request", "max_choices_per_request", "max_connections")
+                    "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -224,6 +225,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("ssl_keyfile", _nonblank(str), "TLS: private key file (PEM)", "PATH"),
     _Option("ssl_keyfile_password", _nonblank(str), "TLS: password of an encrypted key file (prefer the environment "
             "variable: the command line is visible to other users)", "PASSWORD"),
+    _Option("max_model_bytes", int, "a model file larger than this is not loaded (listed with the reason)",
+            "BYTES"),
     _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
             "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
     _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "

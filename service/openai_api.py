@@ -68,6 +68,7 @@ class ModelList(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = Field(default=False, description="extension (vLLM): usage so far in every chunk")
 
@@ -76,7 +77,9 @@ Stop = Annotated[str, Field(max_length=256)]
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, metadata, ...) are ignored
+    # Unknown OpenAI fields (user, metadata, ...) are ignored. Strict: "10", "true", [[false]] are not numbers,
+    # booleans or token ids (OpenAI refuses them too), so nothing is coerced.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -326,8 +329,7 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
             raise bad_request(f"prompt holds more token ids (or prompts) than this model's context of "
                               f"{rt.context_length} tokens", "prompt", code="context_length_exceeded")
     try:
-        # strict: "10", "true", [[false]] are not numbers, booleans or token ids (OpenAI refuses them too)
-        return CompletionRequest.model_validate(obj, strict=True)
+        return CompletionRequest.model_validate(obj)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import onnx
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -388,3 +389,47 @@ def test_silent_connections_are_closed_and_a_flood_is_refused_while_probes_answe
         for s in silent:
             s.close()
         stop(proc)
+
+
+# ---- 6. model files that lie ------------------------------------------------------------------------------------
+
+
+def _lying_text_model(path: Path, block_size: int) -> None:
+    """The demo text model with metadata claiming a context of `block_size` (its position table has 128 rows)."""
+    model = onnx.load(str(DEMO_DIR / "text_multimax.onnx"))
+    for prop in model.metadata_props:
+        if prop.key == "multimax.config":
+            config = json.loads(prop.value)
+            config["block_size"] = block_size
+            prop.value = json.dumps(config)
+    onnx.save(model, str(path))
+
+
+def test_model_files_that_lie_are_refused_at_load_with_the_reason(tmp_path: Path) -> None:
+    _lying_text_model(tmp_path / "liar.onnx", 256)
+    shutil.copy(DEMO_DIR / "digits_multimax.onnx", tmp_path / "digits_multimax.onnx")
+    for version in ("1", "01"):  # the same version twice
+        (tmp_path / "versions" / version).mkdir(parents=True)
+        shutil.copy(DEMO_DIR / "digits_softmax.onnx", tmp_path / "versions" / version / "model.onnx")
+    with open(tmp_path / "huge.onnx", "wb") as f:
+        f.truncate(6_000_000)  # sparse: larger than every real model here, costs no disk
+    settings = Settings(model_dir=tmp_path, warmup_calls=0, max_model_bytes=5_000_000)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        index = {r["name"]: r for r in c.post("/v2/repository/index").json()}
+        assert index["liar"]["state"] == "UNAVAILABLE"
+        assert "context of 256 tokens does not fit the graph" in index["liar"]["reason"]
+        assert index["huge"]["state"] == "UNAVAILABLE" and "max-model-bytes" in index["huge"]["reason"]
+        assert index["versions"]["version"] == "1" and index["versions"]["state"] == "READY"
+        assert [r["name"] for r in c.post("/v2/repository/index").json()].count("versions") == 1
+        assert c.get("/v2/health/ready").status_code == 200  # the others serve
+        r = c.post("/v1/completions", json={"model": "liar", "prompt": "x" * 200, "max_tokens": 1})
+        assert r.status_code == 404 and "context of 256" in r.json()["error"]["message"]
+
+
+def test_a_text_model_whose_context_fits_its_graph_loads(tmp_path: Path) -> None:
+    _lying_text_model(tmp_path / "honest.onnx", 64)  # claims less than the table holds: fine
+    with TestClient(create_app(Settings(model_dir=tmp_path, warmup_calls=0))) as c:
+        r = c.post("/v1/completions", json={"model": "honest", "prompt": "x" * 60, "max_tokens": 4})
+        assert r.status_code == 200
+        r = c.post("/v1/completions", json={"model": "honest", "prompt": "x" * 62, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
