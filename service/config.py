@@ -81,7 +81,10 @@ class Settings:
     request_timeout_s: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_bytes: int = 1024 * 1024  # JSON is parsed on the event loop: this bounds how long one parse takes
-    max_image_pixels: int = 40_000_000
+    # None: follows each model's input size (service.runtime.image_pixel_limit); the request budget: 4 images' worth
+    max_image_pixels: int | None = None
+    max_request_pixels: int | None = None
+    decode_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     min_image_side: int = 8
     max_images_per_request: int = 64
     # Generation: continuous batching.
@@ -130,10 +133,11 @@ class Settings:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
+                    "max_request_pixels", "decode_threads",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
                     "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes")
         for name in positive:
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
                      "warmup_calls"):
@@ -187,7 +191,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_body_bytes", int, "largest request body (413 beyond)", "BYTES"),
     _Option("max_json_bytes", int, "largest JSON body (or KServe JSON header); bounds the time one parse takes "
             "(413 beyond)", "BYTES"),
-    _Option("max_image_pixels", int, "largest image (width x height) that is decoded", "PIXELS"),
+    _Option("max_image_pixels", int, "largest image (width x height) that is decoded (default: 256 x the model's "
+            "resize side squared, within 4,000,000..40,000,000)", "PIXELS"),
+    _Option("max_request_pixels", int, "pixels of all the images of one request, counted from their headers "
+            "before any is decoded (default: 4 x max_image_pixels)", "PIXELS"),
+    _Option("decode_threads", int, "threads that decode images, shared fairly between requests", "N"),
     _Option("min_image_side", int, "smallest image side accepted", "PIXELS"),
     _Option("max_images_per_request", int, "images in one classification request", "N"),
     _Option("max_running_sequences", int, "generation: sequences decoded together (continuous batch size)", "N"),
@@ -250,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for opt in OPTIONS:
         default = getattr(defaults, opt.name)
-        shown = ",".join(default) if isinstance(default, tuple) else default
+        shown = ",".join(default) if isinstance(default, tuple) else "auto" if default is None else default
         kwargs: dict[str, Any] = {"dest": opt.name, "help": f"{opt.help} [env {env_name(opt.name)}; default {shown!s}]"}
         if opt.choices:
             kwargs["choices"] = opt.choices

@@ -17,6 +17,7 @@ from models.tokenizer import ByteTokenizer
 from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
+from service.decoding import DecodePool
 from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import ServiceError, shown
 from service.generation import TextScheduler
@@ -92,6 +93,18 @@ class _Runtime:
         return self.worker.problem
 
 
+MIN_AUTO_PIXELS, MAX_AUTO_PIXELS = 4_000_000, 40_000_000
+
+
+def image_pixel_limit(settings: Settings, spec: Preprocess) -> tuple[int, int]:
+    """(largest image, pixels of one request's images) a model decodes: the settings', else from the model's input.
+    A model resizing to 256 px needs nothing near 40 megapixels: 256 x its resize side squared (16.7 MP for
+    a 224/256 DeiT) is far more than any detail it can see, bounded by 4 MP (a phone photo scaled down) and
+    40 MP; a request may hold 4 such images."""
+    per_image = settings.max_image_pixels or min(MAX_AUTO_PIXELS, max(MIN_AUTO_PIXELS, 256 * spec.resize ** 2))
+    return per_image, settings.max_request_pixels or 4 * per_image
+
+
 class VisionRuntime(_Runtime):
     """An image classifier: requests' images go through its dynamic batcher."""
 
@@ -102,6 +115,7 @@ class VisionRuntime(_Runtime):
         self.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
         self.labels: list[str] = entry.labels or []
         self.output_function: str | None = entry.config.get("output_function")
+        self.max_image_pixels, self.max_request_pixels = image_pixel_limit(settings, self.preprocess)
         self.batcher = self.worker = DynamicBatcher(entry.name, self.predict, executor, metrics,
                                                     settings.max_batch_size, settings.max_queue_delay_ms / 1000,
                                                     settings.max_queue_size)
@@ -153,6 +167,7 @@ class Runtimes:
         self.locks: dict[str, asyncio.Lock] = {}  # repository loads/unloads of one model run one at a time
         self._releases: set[asyncio.Task[None]] = set()
         self.ready = False
+        self.decoder = DecodePool(settings.decode_threads)  # every vision model's images, fairly between requests
         self._version_series: set[tuple[str, str]] = set()  # (model, version) series of multimax_model_version_ready
         for name, versions in entries.items():
             self.versions[name] = {v: self.runtime_of(e) for v, e in sorted(versions.items())}
@@ -247,6 +262,7 @@ class Runtimes:
             rt.stop_waiting()  # shutting down: uvicorn has already waited for the in-flight requests
         runtimes = [rt for versions in self.versions.values() for rt in versions.values()]
         await asyncio.gather(*(self.release(rt, wait=False) for rt in runtimes), *self._releases)
+        self.decoder.close()
 
     def dead_loops(self) -> list[str]:
         """Models whose batcher or decode loop ended while the server is serving (a health check fails on

@@ -4,6 +4,7 @@ strict request types, truncated images, and a Retry-After that follows the queue
 
 from __future__ import annotations
 
+import base64
 import gzip
 import io
 import json
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -23,15 +25,19 @@ import httpx
 import numpy as np
 import onnx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from benchmarks.loadtest.prom import sample_value
-from benchmarks.server import start, stop
+from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
+from service import classify as classify_module
 from service.app import create_app
 from service.config import Settings, load_settings
 from service.pngcheck import missing_rows
+from service.runtime import image_pixel_limit
+from service.vision import Preprocess
 
 # ---- 1. a setting that silently disables a protection ----------------------------------------------------------
 
@@ -433,3 +439,93 @@ def test_a_text_model_whose_context_fits_its_graph_loads(tmp_path: Path) -> None
         assert r.status_code == 200
         r = c.post("/v1/completions", json={"model": "honest", "prompt": "x" * 62, "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- 4. CPU-heavy inputs --------------------------------------------------------------------------------------------
+
+
+def _zero_png(side: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 0).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_the_default_pixel_limit_follows_the_model_and_requests_are_admitted_from_headers(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = client.app.state.runtimes.models["digits_multimax"]  # type: ignore[attr-defined]
+    assert (rt.max_image_pixels, rt.max_request_pixels) == (4_000_000, 16_000_000)  # a 32-pixel model
+    assert image_pixel_limit(Settings(), Preprocess.from_metadata({"image_size": 224, "resize": 256})) == (
+        256 * 256 ** 2, 4 * 256 * 256 ** 2)
+    r = client.post("/v1/models/digits_multimax/classify", content=_zero_png(2100),
+                    headers={"Content-Type": "image/png"})
+    assert r.status_code == 422 and "limit of 4000000 pixels" in r.json()["error"]["message"]
+    decoded: list[int] = []
+    original = classify_module.load_and_preprocess
+    monkeypatch.setattr(classify_module, "load_and_preprocess", lambda *a: decoded.append(1) or original(*a))
+    images = [base64.b64encode(_zero_png(1900)).decode()] * 5  # 18 MP in all: over the 16 MP budget
+    r = client.post("/v1/models/digits_multimax/classify", json={"images": images})
+    assert r.status_code == 413 and "per request" in r.json()["error"]["message"]
+    assert not decoded  # refused from the headers: nothing was decoded
+    r = client.post("/v1/models/digits_multimax/classify", json={"images": images[:4]})
+    assert r.status_code == 200 and len(decoded) == 4
+
+
+def test_the_deadline_covers_decoding(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = classify_module.load_and_preprocess
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.5)
+        return original(*args)
+
+    monkeypatch.setattr(classify_module, "load_and_preprocess", slow)
+    images = [base64.b64encode(_png_bytes()).decode()] * 8  # 8 x 0.5 s on at most 4 threads: > 0.6 s
+    r = client.post("/v1/models/digits_multimax/classify?timeout=0.6", json={"images": images})
+    assert r.status_code == 504 and "decoded" in r.json()["error"]["message"]
+
+
+def test_one_clients_images_do_not_hold_up_anothers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storm of big (36 MP, allowed here on purpose) images from three clients over real sockets, then an
+    ordinary 32x32 request: its image is decoded at the next free thread, ahead of the storm's waiting images
+    (under first-come order all nine would go first), and it is answered correctly."""
+    settings = Settings(models=("digits_multimax",), warmup_calls=0, max_image_pixels=40_000_000,
+                        max_request_pixels=400_000_000, decode_threads=2)
+    starts: list[int] = []  # the side of each image as its decoding starts
+    original = classify_module.load_and_preprocess
+
+    def recording(data: bytes, *args: Any) -> Any:
+        starts.append(Image.open(io.BytesIO(data)).size[0])
+        return original(data, *args)
+
+    monkeypatch.setattr(classify_module, "load_and_preprocess", recording)
+    big = _zero_png(6000)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    statuses: list[int] = []
+
+    def storm() -> None:
+        files = [("file", (f"{j}.png", big, "image/png")) for j in range(3)]
+        statuses.append(httpx.post(f"{url}/v1/models/digits_multimax/classify", files=files, timeout=120).status_code)
+
+    try:
+        wait_ready(url)
+        storms = [threading.Thread(target=storm) for _ in range(3)]
+        for t in storms:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(starts) < 2:  # both threads are decoding the storm
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/v1/models/digits_multimax/classify", content=_png_bytes(32, 0),
+                       headers={"Content-Type": "image/png"}, timeout=120)
+        assert r.status_code == 200 and r.json()["predictions"][0]
+        for t in storms:
+            t.join(timeout=120)
+        assert statuses == [200, 200, 200]
+        ordinary = starts.index(32)
+        assert len(starts) == 10 and len(starts) - ordinary - 1 >= 2, starts  # storm images decoded after it
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
