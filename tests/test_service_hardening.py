@@ -4,6 +4,7 @@ strict request types, truncated images, and a Retry-After that follows the queue
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gzip
 import io
@@ -18,6 +19,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,10 @@ from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
 from service import classify as classify_module
 from service.app import create_app
+from service.batcher import DynamicBatcher
 from service.config import Settings, load_settings
+from service.errors import ServiceError
+from service.metrics import Metrics
 from service.pngcheck import missing_rows
 from service.runtime import image_pixel_limit
 from service.vision import Preprocess
@@ -529,3 +534,41 @@ def test_one_clients_images_do_not_hold_up_anothers(monkeypatch: pytest.MonkeyPa
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+# ---- 10. Retry-After follows the queued work ----------------------------------------------------------------------
+
+
+def test_retry_after_follows_the_queued_work_not_the_model_call() -> None:
+    """The model call takes microseconds, but the event loop is busy (a flood being parsed; here a task that holds
+    it 50 ms at a time), so 40 queued requests take seconds to drain. Retry-After must say seconds, not 1."""
+    async def main() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        batcher = DynamicBatcher("m", lambda x: x, ThreadPoolExecutor(1), Metrics(), max_batch_size=1,
+                                 max_delay_s=0.0, max_queue=40)
+        batcher.start()
+        busy = True
+
+        async def flood() -> None:
+            while busy:
+                time.sleep(0.05)  # the loop is held, as by parsing many requests
+                await asyncio.sleep(0)
+
+        hog = loop.create_task(flood())
+        due = time.perf_counter() + 120
+        futures = [batcher.enqueue(np.zeros((1, 2), np.float32), due) for _ in range(40)]
+        while batcher.queued > 35:  # a few batches measured
+            await asyncio.sleep(0)
+        futures += [batcher.enqueue(np.zeros((1, 2), np.float32), due) for _ in range(40 - batcher.queued)]
+        with pytest.raises(ServiceError) as refused:
+            batcher.check_room()
+        retry_after = int(refused.value.headers["Retry-After"])
+        results = await asyncio.gather(*futures)
+        busy = False
+        await hog
+        await batcher.close()
+        return retry_after, max(r.queue_s for r in results)
+
+    retry_after, waited = asyncio.run(main())
+    assert waited >= 2.0  # 40 queued requests, at least one 50 ms hold of the loop each
+    assert retry_after >= 0.5 * waited, (retry_after, waited)
