@@ -6,6 +6,9 @@ release the GIL while they work). When a thread frees up it takes the waiting jo
 the fewest pixels started so far (oldest first among equals), so a request that just arrived goes next: its wait
 is what the images already decoding still need, at most one image per thread, and an image is bounded by the
 pixel limit. Jobs whose request's deadline has passed, or whose request has failed or gone, are dropped unstarted.
+
+One more thread is an express lane for small images (at most `SMALL_PIXELS`, a few milliseconds each): an ordinary
+request never waits behind a 40-megapixel decode at all, even when every general thread is busy with one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Generic, TypeVar
 from service.errors import ServiceError
 
 T = TypeVar("T")
+SMALL_PIXELS = 1_000_000  # a 1000x1000 image: what the express thread takes
 
 
 @dataclass
@@ -43,9 +47,10 @@ class _Job(Generic[T]):
 class DecodePool:
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self._executor = ThreadPoolExecutor(threads + 1, thread_name_prefix="decode")  # + the express thread
         self._waiting: list[_Job[Any]] = []
-        self._running = 0
+        self._running = 0  # on the general threads
+        self._express_busy = False
         self._order = itertools.count()
 
     async def run(self, jobs: list[tuple[int, Callable[[], T]]], due: float) -> list[T]:
@@ -70,10 +75,23 @@ class DecodePool:
                 f.cancel()  # no-op for the done ones; a running job's result is dropped
             self._waiting = [j for j in self._waiting if not j.request.done]
 
+    def _next(self) -> tuple[_Job[Any], bool] | None:
+        """The job to start now and whether it takes the express thread, or None."""
+        def fairest(jobs: list[_Job[Any]]) -> _Job[Any] | None:
+            return min(jobs, key=lambda j: (j.request.started_pixels, j.order), default=None)
+
+        if self._running < self.threads:
+            job = fairest(self._waiting)
+            return None if job is None else (job, False)
+        if not self._express_busy:
+            job = fairest([j for j in self._waiting if j.pixels <= SMALL_PIXELS])
+            return None if job is None else (job, True)
+        return None
+
     def _dispatch(self) -> None:
         now = time.perf_counter()
-        while self._running < self.threads and self._waiting:
-            job = min(self._waiting, key=lambda j: (j.request.started_pixels, j.order))
+        while (chosen := self._next()) is not None:
+            job, express = chosen
             self._waiting.remove(job)
             if job.request.done or job.future.done():
                 continue
@@ -82,12 +100,18 @@ class DecodePool:
                                                            "decoded", code="timeout"))
                 continue
             job.request.started_pixels += job.pixels
-            self._running += 1
+            if express:
+                self._express_busy = True
+            else:
+                self._running += 1
             running = asyncio.get_running_loop().run_in_executor(self._executor, job.work)
-            running.add_done_callback(partial(self._finished, job))
+            running.add_done_callback(partial(self._finished, job, express))
 
-    def _finished(self, job: _Job[Any], running: asyncio.Future[Any]) -> None:
-        self._running -= 1
+    def _finished(self, job: _Job[Any], express: bool, running: asyncio.Future[Any]) -> None:
+        if express:
+            self._express_busy = False
+        else:
+            self._running -= 1
         if running.cancelled():  # the pool is closing
             job.future.cancel()
         elif not job.future.done():
