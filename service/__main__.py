@@ -22,11 +22,12 @@ def raise_file_limit(connections: int) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = connections + 256  # + the models, the log, the sockets over the limit that are being refused
+    # + the models, the log, and room for the sockets over the limit while they are refused (a flood)
+    wanted = max(connections + 256, 4 * connections, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        if target < wanted:
+        if target < connections + 256:
             logging.getLogger(__name__).warning("open-file limit %d is below --max-connections %d + 256: new "
                                                 "connections may fail before the limit refuses them", target,
                                                 connections)
