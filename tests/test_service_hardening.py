@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -29,6 +30,8 @@ import onnx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from benchmarks.loadtest.prom import sample_value
@@ -572,3 +575,21 @@ def test_retry_after_follows_the_queued_work_not_the_model_call() -> None:
     retry_after, waited = asyncio.run(main())
     assert waited >= 2.0  # 40 queued requests, at least one 50 ms hold of the loop each
     assert retry_after >= 0.5 * waited, (retry_after, waited)
+
+
+# ---- 3 (fuzzed). arbitrary path parameters on every route that takes them ---------------------------------------
+
+SEGMENT = st.one_of(st.text(min_size=1, max_size=300), st.from_regex(r"[0-9]{1,6000}", fullmatch=True),
+                    st.sampled_from(["digits_multimax", "text_multimax", "1", "01", "0", "-1", "²"]))
+ROUTES = ["/v2/models/{n}/ready", "/v2/models/{n}/versions/{v}/ready", "/v2/models/{n}/versions/{v}",
+          "/v2/models/{n}/versions/{v}/config", "/v1/models/{n}"]
+
+
+@given(name=SEGMENT, version=SEGMENT, route=st.sampled_from(ROUTES))
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_any_path_parameter_gets_an_answer_never_a_5xx(client: TestClient, name: str, version: str,
+                                                       route: str) -> None:
+    path = route.format(n=quote(name, safe=""), v=quote(version, safe=""))
+    r = client.get(path)
+    assert r.status_code < 500, (path[:100], r.status_code, r.text[:200])
+    assert r.status_code in (200, 400, 404, 405), (path[:100], r.status_code)
