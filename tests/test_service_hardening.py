@@ -593,3 +593,22 @@ def test_any_path_parameter_gets_an_answer_never_a_5xx(client: TestClient, name:
     r = client.get(path)
     assert r.status_code < 500, (path[:100], r.status_code, r.text[:200])
     assert r.status_code in (200, 400, 404, 405), (path[:100], r.status_code)
+
+
+def test_a_failing_model_never_turns_the_readiness_of_the_others() -> None:
+    app = create_app(Settings(models=("digits_multimax", "text_multimax"), warmup_calls=0))
+    text = app.state.runtimes.models["text_multimax"].entry.backend
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("index 200 is out of bounds for the position table")
+
+    text.run_text = broken
+    with TestClient(app, raise_server_exceptions=False) as c:
+        for _ in range(6):
+            r = c.post("/v1/completions", json={"model": "text_multimax", "prompt": "a", "max_tokens": 2})
+            assert r.status_code == 500
+        assert c.get("/v2/models/text_multimax/ready").status_code == 400
+        assert c.get("/v2/models/digits_multimax/ready").json() == {"name": "digits_multimax", "ready": True}
+        r = c.post("/v1/models/digits_multimax/classify", content=_png_bytes(), headers={"Content-Type": "image/png"})
+        assert r.status_code == 200
+        assert 'multimax_model_ready{model="digits_multimax"} 1.0' in c.get("/metrics").text
