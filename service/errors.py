@@ -118,13 +118,14 @@ _WHY = {
          "control is disabled: --model-control none)",
     404: "unknown model, version or route",
     408: "request body not received within body_timeout_s",
-    413: "body over max_body_bytes (JSON: over max_json_bytes)",
+    413: "body over max_body_bytes (JSON: over max_json_bytes), also once inflated; images over "
+         "max_request_pixels together",
     415: "content type or encoding not accepted",
     422: "image that cannot be used (corrupt, too large, too small), or a model output that is not finite",
     429: "queue full; Retry-After says when to retry",
     500: "the model failed on this request's input (other requests are unaffected)",
-    503: "server shutting down (or the model is not ready)",
-    504: "deadline passed while the request was queued",
+    503: "server shutting down (or the model is not ready), or too many open connections",
+    504: "deadline passed while the request was queued (or its images were being decoded)",
 }
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
