@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -15,6 +16,23 @@ from service.slowclient import header_timeout_protocol
 SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 
 
+def raise_file_limit(connections: int) -> None:
+    """Let the process hold `connections` sockets and its model files: raise the soft open-file limit (often
+    1,024) towards the hard one; a limit that cannot be raised is said once, not found out under load."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # + the models, the log, and room for the sockets over the limit while they are refused (a flood)
+    wanted = max(connections + 256, 4 * connections, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < connections + 256:
+            logging.getLogger(__name__).warning("open-file limit %d is below --max-connections %d + 256: new "
+                                                "connections may fail before the limit refuses them", target,
+                                                connections)
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
     configure_logging(settings.log_format, settings.log_level)
@@ -25,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # decode step wait several intervals. A shorter interval bounds that wait (see the starvation benchmark).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
+    raise_file_limit(settings.max_connections)
     try:
         app = create_app(settings)
     except RegistryError as exc:
@@ -40,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 ssl_keyfile_password=settings.ssl_keyfile_password or None,
                 # uvicorn annotates int, but takes any number of seconds (it is an asyncio timeout)
                 timeout_graceful_shutdown=settings.graceful_timeout_s,  # type: ignore[arg-type]
-                http=header_timeout_protocol(settings.header_timeout_s))
+                http=header_timeout_protocol(settings.header_timeout_s, settings.idle_timeout_s,
+                                             settings.max_connections))
     return 0
 
 

@@ -48,8 +48,8 @@ def read_key_file(path: str) -> tuple[str, ...]:
 def _check_keys(keys: tuple[str, ...], where: str) -> None:
     for i, key in enumerate(keys):
         # Not the key itself in the message: it is a secret.
-        if any(c.isspace() or not c.isprintable() for c in key) or "," in key:
-            raise ValueError(f"{where}: key {i + 1} holds spaces, commas or control characters")
+        if not key or any(c.isspace() or not c.isprintable() for c in key) or "," in key:
+            raise ValueError(f"{where}: key {i + 1} is empty or holds spaces, commas or control characters")
 
 
 def api_keys(settings: AccessOptions) -> tuple[str, ...]:

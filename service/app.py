@@ -16,6 +16,7 @@ from service import classify, control, kserve, openai_api
 from service.access import RequestTracking
 from service.auth import ApiKeyAuth, OpenPaths
 from service.config import Settings
+from service.crosssite import CrossSiteGuard
 from service.docs import install_docs
 from service.endpoint import labelled_routes
 from service.handlers import install_handlers
@@ -93,7 +94,9 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
 
 def install_access(app: FastAPI, settings: Settings, tracer_provider: Any, request_id_header: bool) -> None:
     """API keys, then CORS outside them (a preflight carries no key; a 401 still needs CORS headers to be
-    readable), then request ids, logs and traces outside everything, Starlette's error middleware included."""
+    readable), then request ids, logs and traces outside everything, Starlette's error middleware included.
+    Innermost, the cross-site guard: a foreign page's request that would change state or run a model is 403."""
+    app.add_middleware(CrossSiteGuard, allowed_origins=settings.cors_allow_origins)
     if settings.api_keys:
         app.add_middleware(ApiKeyAuth, keys=settings.api_keys,
                            open_paths=OpenPaths(settings.auth_health, settings.auth_metrics))

@@ -22,6 +22,13 @@ HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # one model's readiness (a probe too)
 METRICS_PATHS = frozenset({"/metrics"})
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+AUTHENTICATED = "authenticated"  # request.state flag: the request carries a valid key (or the server has none)
+
+
+def authenticated(scope: Scope) -> bool:
+    """Whether the request carries a valid key, or the server needs none (then every client may know everything
+    the API tells: /v1/models lists the models anyway)."""
+    return bool(scope.get("state", {}).get(AUTHENTICATED, True))
 
 
 class OpenPaths:
@@ -64,11 +71,11 @@ class ApiKeyAuth(HttpMiddleware):
         self.open_paths = open_paths
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
         token = bearer_token(scope)
-        if token is not None and key_matches(token, self.keys):
+        valid = token is not None and key_matches(token, self.keys)
+        # Open routes answer anyone, but say less to a client without a key (service.auth.authenticated).
+        scope.setdefault("state", {})[AUTHENTICATED] = valid
+        if valid or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         # RFC 6750: no credentials -> just the challenge; wrong ones -> error="invalid_token".

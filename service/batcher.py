@@ -83,6 +83,12 @@ class DynamicBatcher:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._batch_seconds: float | None = None  # moving average of one model call (None: none measured yet)
+        # Retry-After follows the work really queued: the time from one batch's start to the next while requests
+        # wait (model call, delivery and the event loop's own delay under a flood), and what the requests of
+        # the latest batch waited.
+        self._cycle_seconds: float | None = None
+        self._last_start: float | None = None
+        self._last_wait = 0.0
         self.health = Health()
 
     # ---- producer side (endpoints) ---------------------------------------------------------------------
@@ -137,8 +143,11 @@ class DynamicBatcher:
             item.future.set_exception(ServiceError(504, "deadline exceeded while queued", code="deadline_exceeded"))
 
     def _estimated_wait(self) -> float:
-        """Seconds until the queue has room: the batches ahead times the recent batch time (for Retry-After)."""
-        return (len(self._queue) / self.max_batch_size + 1) * (self._batch_seconds or 0.0)
+        """Seconds until the queued work is done (for Retry-After): the batches ahead times the measured time
+        from one batch's start to the next (never less than a model call), and never less than what the latest
+        batch's requests waited."""
+        per_batch = max(self._cycle_seconds or 0.0, self._batch_seconds or 0.0)
+        return max((len(self._queue) / self.max_batch_size + 1) * per_batch, self._last_wait if self._queue else 0.0)
 
     # ---- worker side -------------------------------------------------------------------------------------
 
@@ -210,6 +219,7 @@ class DynamicBatcher:
             sizes = [len(item.rows) for item in batch]
             for item in batch:
                 item.started = True
+            self._measure_cycle(start, batch)
             try:
                 outputs, compute_s = await loop.run_in_executor(self.executor, self._compute, [i.rows for i in batch])
             except Exception:
@@ -217,6 +227,14 @@ class DynamicBatcher:
                 await self._one_by_one(batch, start)
                 continue
             self._deliver(batch, outputs, start, compute_s, sum(sizes))
+
+    def _measure_cycle(self, start: float, batch: list[_Item]) -> None:
+        backlogged = self._last_start is not None and min(i.enqueued for i in batch) < self._last_start
+        if backlogged and self._last_start is not None:  # the batch waited for the previous one: a full cycle
+            took = start - self._last_start
+            self._cycle_seconds = took if self._cycle_seconds is None else 0.8 * self._cycle_seconds + 0.2 * took
+        self._last_start = start
+        self._last_wait = max(start - i.enqueued for i in batch)
 
     def _compute(self, rows: list[np.ndarray]) -> tuple[list[np.ndarray], float]:
         start = time.perf_counter()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from typing import Any, cast
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -19,14 +21,17 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
 from service.batcher import BatchResult
+from service.bodies import media_type, read_body
+from service.decoding import DecodePool
 from service.endpoint import model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.jsonio import check_size, dumps, loads, non_finite_error
 from service.runtime import VisionRuntime, output_probabilities
 from service.tracing import phase
-from service.vision import Preprocess, load_and_preprocess
+from service.vision import Preprocess, header_pixels, load_and_preprocess
 
 router = APIRouter(tags=["classification"])
+T = TypeVar("T")
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 OPENAPI_BODY: dict[str, Any] = {
@@ -66,10 +71,6 @@ class ClassificationResponse(BaseModel):
     predictions: list[list[Prediction]]  # per image, the top-k labels by probability
 
 
-def _media_type(request: Request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
 def _b64(item: Any, index: int) -> bytes:
     if not isinstance(item, str):
         raise bad_request(f"images[{index}] must be a base64 string, got {type(item).__name__}", "images")
@@ -95,12 +96,15 @@ def _images_json(body: bytes, limit: int, json_limit: int) -> list[bytes]:
     return [_b64(item, i) for i, item in enumerate(images)]
 
 
-async def read_images(request: Request, limit: int, json_limit: int) -> list[bytes]:
+async def read_images(request: Request, limit: int, json_limit: int, body_limit: int) -> list[bytes]:
     """decode_request, first half: the request's image files as bytes (4xx for a malformed request)."""
-    media = _media_type(request)
+    media = media_type(request)
     if media.startswith("image/") or media == "application/octet-stream":
-        return [await request.body()]
+        return [await read_body(request, body_limit)]
     if media == "multipart/form-data":
+        if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise ServiceError(415, "Content-Encoding is not supported with multipart/form-data: compress the "
+                               "parts' files, or send the images raw or as JSON", code="bad_encoding")
         form = await request.form(max_files=limit + 1, max_fields=limit + 16)
         try:
             files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
@@ -112,30 +116,51 @@ async def read_images(request: Request, limit: int, json_limit: int) -> list[byt
         finally:
             await form.close()
     if media == "application/json":
-        return _images_json(await request.body(), limit, json_limit)
+        return _images_json(await read_body(request, body_limit), limit, json_limit)
     shown = media or "none"
     raise ServiceError(415, f"content type {shown} not accepted: send an image (image/png, image/jpeg, ...), "
                             "multipart/form-data or application/json", code="unsupported_media_type")
 
 
-def _decode_all(blobs: list[bytes], spec: Preprocess, max_pixels: int, min_side: int) -> np.ndarray:
-    rows = []
-    for i, blob in enumerate(blobs):
+def _numbered(i: int, count: int, work: Callable[[], T]) -> Callable[[], T]:
+    """`work`, whose 4xx names the image it is about when the request has several."""
+    def run() -> T:
         try:
-            rows.append(load_and_preprocess(blob, spec, max_pixels, min_side))
+            return work()
         except ServiceError as exc:
-            if len(blobs) > 1:
+            if count > 1:
                 exc.message = f"images[{i}]: {exc.message}"
             raise
+    return run
+
+
+def _admit(blobs: list[bytes], rt: VisionRuntime, min_side: int) -> list[int]:
+    """Each image's pixels from its header, within the per-image limit and, all together, the request's budget:
+    nothing is decoded for a request that would be refused."""
+    pixels = [_numbered(i, len(blobs), partial(header_pixels, b, rt.max_image_pixels, min_side))()
+              for i, b in enumerate(blobs)]
+    if sum(pixels) > rt.max_request_pixels:
+        raise ServiceError(413, f"{len(blobs)} images of {sum(pixels)} pixels in all exceed the limit of "
+                           f"{rt.max_request_pixels} pixels per request (max_request_pixels)", code="image_too_large")
+    return pixels
+
+
+async def decode_request(request: Request, rt: VisionRuntime, settings: Any, due: float) -> np.ndarray:
+    """The request as model rows (n, C, H, W): read; admit from the images' headers (one worker-thread hop);
+    then decode and preprocess every image on the shared decode pool, by the request's deadline `due`."""
+    blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes,
+                              settings.max_body_bytes)
+    pixels = await asyncio.to_thread(_admit, blobs, rt, settings.min_image_side)
+    pool: DecodePool = request.app.state.runtimes.decoder
+    jobs = [(n, _numbered(i, len(blobs), partial(_decode_one, blob, rt.preprocess, rt.max_image_pixels,
+                                                 settings.min_image_side)))
+            for i, (n, blob) in enumerate(zip(pixels, blobs, strict=True))]
+    rows: list[np.ndarray] = await pool.run(jobs, due)
     return np.stack(rows)
 
 
-async def decode_request(request: Request, rt: VisionRuntime, settings: Any) -> np.ndarray:
-    """The request as model rows (n, C, H, W): read, then decode and preprocess every image in a worker thread
-    (one hop per request, whatever the images' size: the event loop never decodes)."""
-    blobs = await read_images(request, settings.max_images_per_request, settings.max_json_bytes)
-    return await asyncio.to_thread(_decode_all, blobs, rt.preprocess, settings.max_image_pixels,
-                                   settings.min_image_side)
+def _decode_one(blob: bytes, spec: Preprocess, max_pixels: int, min_side: int) -> np.ndarray:
+    return load_and_preprocess(blob, spec, max_pixels, min_side)  # (looked up at call time: tests record it)
 
 
 def encode_response(name: str, labels: list[str], probs: np.ndarray, top_k: int) -> dict[str, Any]:
@@ -190,9 +215,9 @@ async def classify(name: str, request: Request) -> Response:
         top_k, timeout = query_params(request)
         rt = call.runtime(name, VisionRuntime)
         rt.batcher.check_room()  # a request that will get 429 is refused before its body is read
+        due = call.deadline(timeout)  # decoding counts against the deadline too
         with phase("preprocess"):
-            rows = await decode_request(request, rt, settings)
-        due = call.deadline(timeout)
+            rows = await decode_request(request, rt, settings, due)
         step = settings.max_batch_size
         chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
         futures = [rt.batcher.enqueue(c, due) for c in chunks]

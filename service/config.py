@@ -42,6 +42,22 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+class BlankValue(ValueError, argparse.ArgumentTypeError):
+    """A protection option given with an empty or blank value (argparse shows the message as it is)."""
+
+
+def _nonblank(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for an option whose empty value would turn a protection off (no API key, no TLS, CORS with
+    nothing in it): such a value is a mistake (an unset shell variable, a stray comma), never "off"."""
+    def parse_nonblank(text: str) -> Any:
+        value = parse(text) if text.strip() else None
+        if value is None or value == ():
+            raise BlankValue("empty or blank value: it would turn a protection off; leave the option out "
+                             "(or give a real value)")
+        return value
+    return parse_nonblank
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything `create_app` needs; the defaults serve the shipped demo models on localhost."""
@@ -65,7 +81,10 @@ class Settings:
     request_timeout_s: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_bytes: int = 1024 * 1024  # JSON is parsed on the event loop: this bounds how long one parse takes
-    max_image_pixels: int = 40_000_000
+    # None: follows each model's input size (service.runtime.image_pixel_limit); the request budget: 4 images' worth
+    max_image_pixels: int | None = None
+    max_request_pixels: int | None = None
+    decode_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     min_image_side: int = 8
     max_images_per_request: int = 64
     # Generation: continuous batching.
@@ -77,6 +96,9 @@ class Settings:
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    idle_timeout_s: float = 10.0  # a connection that sends nothing is closed after this
+    max_connections: int = 1000  # open connections; beyond, requests other than health probes get 503
+    max_model_bytes: int = 16 * 1024**3  # a model file larger than this is not loaded (its reason says so)
     # Process.
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
@@ -111,16 +133,18 @@ class Settings:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
+                    "max_request_pixels", "decode_threads",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
-                    "max_prompts_per_request", "max_choices_per_request")
+                    "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes")
         for name in positive:
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
                      "warmup_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:
@@ -167,7 +191,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_body_bytes", int, "largest request body (413 beyond)", "BYTES"),
     _Option("max_json_bytes", int, "largest JSON body (or KServe JSON header); bounds the time one parse takes "
             "(413 beyond)", "BYTES"),
-    _Option("max_image_pixels", int, "largest image (width x height) that is decoded", "PIXELS"),
+    _Option("max_image_pixels", int, "largest image (width x height) that is decoded (default: 256 x the model's "
+            "resize side squared, within 4,000,000..40,000,000)", "PIXELS"),
+    _Option("max_request_pixels", int, "pixels of all the images of one request, counted from their headers "
+            "before any is decoded (default: 4 x max_image_pixels)", "PIXELS"),
+    _Option("decode_threads", int, "threads that decode images, shared fairly between requests", "N"),
     _Option("min_image_side", int, "smallest image side accepted", "PIXELS"),
     _Option("max_images_per_request", int, "images in one classification request", "N"),
     _Option("max_running_sequences", int, "generation: sequences decoded together (continuous batch size)", "N"),
@@ -178,6 +206,9 @@ OPTIONS: tuple[_Option, ...] = (
             "(prompts x best_of, or x n)", "N"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
+    _Option("idle_timeout_s", float, "a connection that sends nothing is closed after this", "S"),
+    _Option("max_connections", int, "open connections; beyond, every request but a health probe gets 503 and the "
+            "connection is closed", "N"),
     _Option("graceful_timeout_s", float, "on SIGTERM/SIGINT: how long in-flight work may take to finish", "S"),
     _Option("log_level", str, "logging level", choices=("critical", "error", "warning", "info", "debug")),
     _Option("access_log", _bool, "log every request (method, path, status, durations, model, request id)", "BOOL"),
@@ -185,21 +216,25 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("log_format", str, "log lines as text, or one JSON object per line", choices=LOG_FORMATS),
     _Option("otlp_endpoint", str, "send OpenTelemetry traces (one span per request) to this OTLP/HTTP endpoint, "
             "e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra (empty: off)", "URL"),
-    _Option("api_key", _names, "require `Authorization: Bearer KEY` with one of these keys (repeatable; the "
+    _Option("api_key", _nonblank(_names), "require `Authorization: Bearer KEY` with one of these keys (repeatable; "
+            "the "
             "environment variable takes a comma list); never logged", "KEY", repeat=True),
-    _Option("api_key_file", str, "file of API keys, one per line (# comments and blank lines ignored)", "PATH"),
-    _Option("auth_health", _bool, "with API keys: health and readiness need a key too", "BOOL"),
-    _Option("auth_metrics", _bool, "with API keys: /metrics needs a key too", "BOOL"),
-    _Option("cors_allow_origins", _names, "CORS: comma-separated origins allowed to call from a browser, or * "
-            "(empty: CORS off)", "ORIGINS"),
-    _Option("cors_allow_methods", _names, "CORS: allowed methods", "METHODS"),
-    _Option("cors_allow_headers", _names, "CORS: allowed request headers", "HEADERS"),
+    _Option("api_key_file", _nonblank(str), "file of API keys, one per line (# comments and blank lines ignored)",
+            "PATH"),
+    _Option("auth_health", _nonblank(_bool), "with API keys: health and readiness need a key too", "BOOL"),
+    _Option("auth_metrics", _nonblank(_bool), "with API keys: /metrics needs a key too", "BOOL"),
+    _Option("cors_allow_origins", _nonblank(_names), "CORS: comma-separated origins allowed to call from a browser, "
+            "or * (not given: CORS off)", "ORIGINS"),
+    _Option("cors_allow_methods", _nonblank(_names), "CORS: allowed methods", "METHODS"),
+    _Option("cors_allow_headers", _nonblank(_names), "CORS: allowed request headers", "HEADERS"),
     _Option("cors_allow_credentials", _bool, "CORS: allow credentialed requests (cookies; not needed for "
             "bearer keys; not with origin *)", "BOOL"),
-    _Option("ssl_certfile", str, "TLS: certificate file (PEM, chain first) -- serve HTTPS", "PATH"),
-    _Option("ssl_keyfile", str, "TLS: private key file (PEM)", "PATH"),
-    _Option("ssl_keyfile_password", str, "TLS: password of an encrypted key file (prefer the environment "
+    _Option("ssl_certfile", _nonblank(str), "TLS: certificate file (PEM, chain first) -- serve HTTPS", "PATH"),
+    _Option("ssl_keyfile", _nonblank(str), "TLS: private key file (PEM)", "PATH"),
+    _Option("ssl_keyfile_password", _nonblank(str), "TLS: password of an encrypted key file (prefer the environment "
             "variable: the command line is visible to other users)", "PASSWORD"),
+    _Option("max_model_bytes", int, "a model file larger than this is not loaded (listed with the reason)",
+            "BYTES"),
     _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
             "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
     _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "
@@ -223,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for opt in OPTIONS:
         default = getattr(defaults, opt.name)
-        shown = ",".join(default) if isinstance(default, tuple) else default
+        shown = ",".join(default) if isinstance(default, tuple) else "auto" if default is None else default
         kwargs: dict[str, Any] = {"dest": opt.name, "help": f"{opt.help} [env {env_name(opt.name)}; default {shown!s}]"}
         if opt.choices:
             kwargs["choices"] = opt.choices
@@ -256,7 +291,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
             try:
                 values[opt.name] = opt.parse(raw)
             except ValueError as exc:
-                parser.error(f"{env_name(opt.name)}={raw!r}: {exc}")
+                shown = "" if opt.name in SECRET_OPTIONS else f"={raw!r}"  # a secret is never echoed
+                parser.error(f"{env_name(opt.name)}{shown}: {exc}")
             if opt.choices and values[opt.name] not in opt.choices:
                 parser.error(f"{env_name(opt.name)}={raw!r}: choose from {', '.join(opt.choices)}")
     try:

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from service.bodies import JSON, read_body, require_media
 from service.errors import ServiceError, error_responses
 from service.jsonio import check_size, dumps, loads
 from service.kserve_codec import bad
@@ -58,7 +59,8 @@ def index_rows(runtimes: Runtimes) -> list[dict[str, str]]:
 
 
 async def _query(request: Request, runtimes: Runtimes, allowed: tuple[str, ...]) -> dict[str, Any]:
-    body = await request.body()
+    require_media(request, (JSON,))  # no text/plain or form: what a foreign page could send without asking
+    body = await read_body(request, runtimes.settings.max_json_bytes)
     if not body.strip():
         return {}
     check_size(len(body), runtimes.settings.max_json_bytes)
@@ -68,7 +70,7 @@ async def _query(request: Request, runtimes: Runtimes, allowed: tuple[str, ...])
     return query
 
 
-@router.post("/v2/repository/index", responses=error_responses(True, (400, 413)),
+@router.post("/v2/repository/index", responses=error_responses(True, (400, 413, 415)),
              summary="Every model and version the server knows, its state (READY, LOADING, UNLOADING, UNAVAILABLE) "
              "and why it is not ready (Triton's model repository extension)")
 async def repository_index(request: Request) -> Response:
@@ -176,14 +178,14 @@ async def _control(request: Request, name: str, action: Action) -> Response:
     return _json(await _serialized(runtimes, name, action))
 
 
-@router.post("/v2/repository/models/{name}/load", responses=error_responses(True, (400, 403, 404, 413, 503)),
+@router.post("/v2/repository/models/{name}/load", responses=error_responses(True, (400, 403, 404, 413, 415, 503)),
              summary="Load or reload a model from the model directory; new versions warm up, then take new "
              "requests while replaced ones finish theirs (needs --model-control explicit)")
 async def load_model(name: str, request: Request) -> Response:
     return await _control(request, name, load)
 
 
-@router.post("/v2/repository/models/{name}/unload", responses=error_responses(True, (403, 404, 413)),
+@router.post("/v2/repository/models/{name}/unload", responses=error_responses(True, (400, 403, 404, 413, 415)),
              summary="Stop serving a model: it takes no new requests and is released after its in-flight ones "
              "(needs --model-control explicit)")
 async def unload_model(name: str, request: Request) -> Response:

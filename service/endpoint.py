@@ -128,4 +128,7 @@ def count_refused(app: Any, scope: MutableMapping[str, Any], status: int) -> Non
         return
     labels = endpoint_of(app, scope, runtimes.models)
     if labels is not None:
-        runtimes.metrics.requests.labels(*labels, outcome_of(status)).inc()
+        # A request without a valid key (or from a foreign page) has not reached the model it names: counted
+        # apart, under no model, so that nobody without a key can move a model's invalid_input series.
+        model = UNKNOWN_MODEL if status in (401, 403) else labels[0]
+        runtimes.metrics.requests.labels(model, labels[1], outcome_of(status)).inc()

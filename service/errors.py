@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from starlette.responses import Response
@@ -17,8 +18,10 @@ from service.context import current_id
 log = logging.getLogger(__name__)
 
 # outcome label of the requests counter, by status
-OUTCOME_BY_STATUS = {429: "rejected", 413: "rejected", 503: "rejected", 504: "timeout", 408: "timeout",
-                     499: "cancelled"}
+# (401 and 403 are counted apart, under no model: an unauthenticated or cross-site client does not count against
+# the model it named)
+OUTCOME_BY_STATUS = {401: "unauthorized", 403: "forbidden", 429: "rejected", 413: "rejected", 503: "rejected",
+                     504: "timeout", 408: "timeout", 499: "cancelled"}
 
 _TYPES = {
     400: "invalid_request_error",
@@ -64,6 +67,21 @@ class ServiceError(Exception):
         return "invalid_input" if self.status < 500 else "error"
 
 
+def shown(text: str, limit: int = 64) -> str:
+    """A client's value as an error message quotes it: repr, cut to `limit` characters (a path parameter or a
+    field may be megabytes long; the answer and the log line stay short)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:]+[/\\])*([^\s'\"/\\:,;)]+)")
+
+
+def without_paths(text: str) -> str:
+    """`text` with every absolute file path cut to its file name: reasons shown on open routes (readiness, the
+    repository index) must not tell an unauthenticated client where the server keeps its files."""
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1), text)
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ServiceError:
     return ServiceError(400, message, param=param, code=code)
 
@@ -96,16 +114,18 @@ def error_response(path: str, status: int, message: str, *, code: str | None = N
 _WHY = {
     400: "invalid request: malformed body, value out of range, tensor that does not fit the model",
     401: "missing or wrong API key (when the server has API keys)",
-    403: "model control (load/unload) is disabled (--model-control none)",
+    403: "a browser request from an origin --cors-allow-origins does not allow (or, for load/unload, model "
+         "control is disabled: --model-control none)",
     404: "unknown model, version or route",
     408: "request body not received within body_timeout_s",
-    413: "body over max_body_bytes (JSON: over max_json_bytes)",
+    413: "body over max_body_bytes (JSON: over max_json_bytes), also once inflated; images over "
+         "max_request_pixels together",
     415: "content type or encoding not accepted",
     422: "image that cannot be used (corrupt, too large, too small), or a model output that is not finite",
     429: "queue full; Retry-After says when to retry",
     500: "the model failed on this request's input (other requests are unaffected)",
-    503: "server shutting down (or the model is not ready)",
-    504: "deadline passed while the request was queued",
+    503: "server shutting down (or the model is not ready), or too many open connections",
+    504: "deadline passed while the request was queued (or its images were being decoded)",
 }
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
@@ -115,7 +135,7 @@ _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error"
 _KSERVE_ERROR = {"type": "object", "required": ["error"],
                  "properties": {"error": {"type": "string"}, "request_id": {"type": "string"}}}
 
-MODEL_CALL = (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
+MODEL_CALL = (400, 403, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # endpoints that run a model
 LOOKUP = (404,)  # metadata of one model
 
 

@@ -229,6 +229,7 @@ class TextScheduler:
         self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
         self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
         self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
+        self._last_wait = 0.0  # what the sequences admitted last waited (Retry-After follows the queued work)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -256,7 +257,8 @@ class TextScheduler:
     def retry_after(self) -> int:
         """Whole seconds until a slot frees up for the queue's tail: the rounds of the running batch ahead of it
         times the measured time a sequence spends in the batch."""
-        return max(1, math.ceil((len(self._waiting) / self.max_running + 1) * (self._seq_seconds or 0.0)))
+        rounds = (len(self._waiting) / self.max_running + 1) * (self._seq_seconds or 0.0)
+        return max(1, math.ceil(max(rounds, self._last_wait if self._waiting else 0.0)))
 
     def submit(self, seqs: Sequence[GenSequence]) -> None:
         """Queue sequences (all or none); 429 with Retry-After when the waiting room is full."""
@@ -336,6 +338,8 @@ class TextScheduler:
             self._interrupt = False  # before admitting: a sequence submitted from now on interrupts the worker
             admitted = self._admit()
             now = time.perf_counter()
+            if admitted:
+                self._last_wait = max(now - seq.arrival for seq in admitted)
             for seq in admitted:
                 seq.started = now
                 self._active.add(seq)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from service.errors import without_paths
+
 FAILING_AFTER = 5
 
 
@@ -24,7 +26,7 @@ class Health:
 
     def failed(self, why: str) -> None:
         self.consecutive_failures += 1
-        self.last_error = why
+        self.last_error = without_paths(why)  # shown by the open readiness routes
 
     def problem(self, task: asyncio.Task[None] | None, closing: bool) -> str | None:
         """Why the model is not ready, or None."""

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
+from service.auth import authenticated
+from service.bodies import JSON, require_media
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
@@ -122,9 +124,12 @@ async def ready(request: Request) -> Response:
     body: dict[str, Any] = {"ready": ok}
     if not runtimes.ready:
         body["reason"] = "not started or shutting down"
+    elif failing and not authenticated(request.scope):  # an open route: no model names for a client without a key
+        body["reason"] = f"{len(failing)} model(s) not ready"
     elif failing:
         body["reason"] = "; ".join(f"{n}: {why}" for n, why in failing.items())
-    if runtimes.loading:  # repository loads in progress: their previous versions (if any) serve meanwhile
+    # repository loads in progress (their previous versions, if any, serve meanwhile), for a client with a key
+    if runtimes.loading and authenticated(request.scope):
         body["loading"] = {n: [str(v) for v in sorted(vs)] for n, vs in sorted(runtimes.loading.items())}
     return _json(body, 200 if ok else 503)
 
@@ -154,7 +159,7 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
     runtimes: Runtimes = request.app.state.runtimes
     if name not in runtimes.models and name in runtimes.names():
         return _json({"name": name, "ready": False, "reason": runtimes.why_not(name)}, 400)
-    rt = _model(request, name, version)
+    rt = runtimes.get(name, version, list_served=False)  # an open route (a probe): it names no other model
     problem = rt.problem if runtimes.ready else "not started or shutting down"
     body: dict[str, Any] = {"name": rt.name, "ready": problem is None}
     if problem is not None:
@@ -188,6 +193,8 @@ async def model_config(name: str, request: Request, version: str | None = None) 
 
 
 async def read_request(request: Request, limit: int, json_limit: int) -> tuple[dict[str, Any], bytes]:
+    # JSON, or the binary-data extension (Triton's client sends that with no content type, or octet-stream)
+    require_media(request, (JSON, "application/octet-stream"))
     return parse_body(await request.body(), request.headers.get("content-encoding", ""),
                       request.headers.get(HEADER_LENGTH), limit, json_limit)
 

@@ -6,11 +6,11 @@ input is a `ServiceError` 400 (413/415 for size and encoding) naming the tensor.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
 
+from service.bodies import inflate
 from service.errors import ServiceError
 from service.jsonio import NonFiniteOutput, check_size, dumps, loads, non_finite_error
 
@@ -28,21 +28,6 @@ DTYPES: dict[str, np.dtype[Any]] = {
 
 def bad(message: str) -> ServiceError:
     return ServiceError(400, message, code="invalid_tensor")
-
-
-def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    if encoding in ("", "identity"):
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise ServiceError(415, f"Content-Encoding {encoding} not supported (gzip, deflate)", code="bad_encoding")
-    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
-    try:
-        out = inflater.decompress(body, limit + 1)  # never inflate past the body limit: a zip bomb stops here
-    except zlib.error as exc:
-        raise bad(f"body is not valid {encoding}: {exc}") from None
-    if len(out) > limit:
-        raise ServiceError(413, f"decompressed body exceeds the limit of {limit} bytes", code="body_too_large")
-    return out
 
 
 def _bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
@@ -162,7 +147,7 @@ def decode_tensors(header: dict[str, Any], binary: bytes, max_elements: int = 1 
 def parse_body(body: bytes, content_encoding: str, header_length: str | None, limit: int,
                json_limit: int) -> tuple[dict[str, Any], bytes]:
     """(JSON inference header, binary data after it) of a request body, inflated (never past `limit`) first."""
-    body = _inflate(body, content_encoding.lower(), limit)
+    body = inflate(body, content_encoding, limit)
     if header_length is not None:
         try:
             n = int(header_length)

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
 from service import choices
+from service.bodies import JSON, read_body, require_media
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, SamplingParams, TextStream
@@ -67,6 +68,7 @@ class ModelList(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = Field(default=False, description="extension (vLLM): usage so far in every chunk")
 
@@ -75,7 +77,9 @@ Stop = Annotated[str, Field(max_length=256)]
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, metadata, ...) are ignored
+    # Unknown OpenAI fields (user, metadata, ...) are ignored. Strict: "10", "true", [[false]] are not numbers,
+    # booleans or token ids (OpenAI refuses them too), so nothing is coerced.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -310,10 +314,11 @@ def _prompt_too_long(obj: Any, limit: int) -> bool:
 async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
     """The request body as a CompletionRequest: bounded, strict JSON, cheap checks before validation."""
     settings = runtimes.settings
+    require_media(request, (JSON,))
     declared = request.headers.get("content-length", "")
-    if declared.isdigit():
+    if declared.isascii() and declared.isdigit() and request.headers.get("content-encoding") is None:
         check_size(int(declared), settings.max_json_bytes)
-    body = await request.body()
+    body = await read_body(request, settings.max_json_bytes)
     check_size(len(body), settings.max_json_bytes)
     obj = loads(body)
     model = obj.get("model") if isinstance(obj, dict) else None

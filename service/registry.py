@@ -22,9 +22,10 @@ from models.checkpoint import Checkpoint
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
 from models.tokenizer import ByteTokenizer
 from service.backends.base import Backend, BackendUnavailable
-from service.backends.checks import check_io
+from service.backends.checks import check_context, check_io
 from service.config import Settings
 from service.entry import SERVED_TASKS, ModelEntry
+from service.errors import without_paths
 from service.vision import Preprocess
 from service.warmup import warm_up
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}
 AUTO_ORDER = ("onnxruntime", "torch", "tensorrt")
+MAX_SIDECAR_BYTES = 16 * 1024 * 1024  # an engine's labels and preprocessing: far below this
 
 
 class RegistryError(RuntimeError):
@@ -53,13 +55,23 @@ def _kinds(paths: list[Path], stem: str) -> Files:
 
 
 def _versions(directory: Path) -> dict[int, Files]:
-    """Triton's layout: `name/<number>/model.onnx` (or .pt/.engine/.plan, side files such as model.json beside)."""
+    """Triton's layout: `name/<number>/model.onnx` (or .pt/.engine/.plan, side files such as model.json beside).
+    A version is written without leading zeros: `01` beside `1` would be the same version twice, one of them
+    silently dropped, so `01` (or `007`) is ignored with a warning naming the directory to rename."""
     found: dict[int, Files] = {}
-    for sub in directory.iterdir():
-        if sub.is_dir() and sub.name.isascii() and sub.name.isdigit() and int(sub.name) > 0:
-            files = _kinds(sorted(sub.iterdir()), "model")
-            if files:
-                found[int(sub.name)] = files
+    for sub in sorted(directory.iterdir()):
+        if not (sub.is_dir() and sub.name.isascii() and sub.name.isdigit() and int(sub.name) > 0):
+            continue
+        files = _kinds(sorted(sub.iterdir()), "model")
+        if not files:
+            continue
+        if sub.name != str(int(sub.name)):
+            clash = " (and clashes with the version directory beside it)" if (directory / str(int(sub.name))).is_dir() \
+                else ""
+            log.warning("%s/%s: ignored: a version directory is a number without leading zeros, rename it to %d%s",
+                        directory.name, sub.name, int(sub.name), clash)
+            continue
+        found[int(sub.name)] = files
     return dict(sorted(found.items()))
 
 
@@ -97,6 +109,8 @@ def checkpoint_metadata(ckpt: Checkpoint) -> OnnxMetadata:
 def _engine_metadata(name: str, files: Files) -> OnnxMetadata:
     sidecar = files["tensorrt"].with_suffix(".json")  # x.json beside x.engine; model.json in a version directory
     if sidecar.is_file():
+        if sidecar.stat().st_size > MAX_SIDECAR_BYTES:
+            raise BackendUnavailable(f"{sidecar.name}: more than {MAX_SIDECAR_BYTES} bytes of metadata")
         return OnnxMetadata.from_dict(json.loads(sidecar.read_text()))
     if "onnxruntime" in files:
         import onnx
@@ -160,6 +174,7 @@ def validate(entry: ModelEntry, source: str) -> None:
     what the backend really computes (a mismatch would otherwise fail every request)."""
     _VALIDATE[architectures.task_of(entry.arch)](entry, source)
     check_io(entry, source)
+    check_context(entry, source)
 
 
 def _validate_vision(entry: ModelEntry, source: str) -> None:
@@ -225,6 +240,10 @@ def load_version(name: str, version: int, files: Files, settings: Settings) -> M
         log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
     start = time.perf_counter()
     stamp = fingerprint(files)  # before reading: a file replaced meanwhile is seen as changed by the next load
+    size = files[kind].stat().st_size
+    if size > settings.max_model_bytes:
+        raise BackendUnavailable(f"{files[kind].name}: {size} bytes, more than --max-model-bytes "
+                                 f"{settings.max_model_bytes}")
     entry = load_model(name, kind, files, settings)
     entry.version, entry.source, entry.fingerprint = version, files[kind], stamp
     loaded = time.perf_counter()
@@ -248,8 +267,10 @@ def load_versions(name: str, versions: dict[int, Files], settings: Settings) -> 
         try:
             entries[version] = load_version(name, version, files, settings)
         except Exception as exc:  # whatever a bad file raises (MemoryError included), it costs one version only
-            failed[version] = _one_line(exc)
-            log.error("%s: not served: %s (version %d)", name, failed[version], version)
+            # The log (read by operators) has the whole line; the reason that readiness and the repository index
+            # show (to any client) names files, never where they are.
+            log.error("%s: not served: %s (version %d)", name, _one_line(exc), version)
+            failed[version] = without_paths(_one_line(exc))
     return entries, failed
 
 

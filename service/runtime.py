@@ -17,8 +17,9 @@ from models.tokenizer import ByteTokenizer
 from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
+from service.decoding import DecodePool
 from service.entry import SERVED_TASKS, ModelEntry
-from service.errors import ServiceError
+from service.errors import ServiceError, shown
 from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
 from service.registry import Failed, Loaded
@@ -38,6 +39,12 @@ def output_probabilities(output_function: str | None, logits: np.ndarray) -> np.
     if output_function is None:
         return softmax(logits)
     return probabilities(output_function, torch.from_numpy(np.ascontiguousarray(logits))).numpy()
+
+
+def version_number(text: str) -> int | None:
+    """A version path parameter as a number, or None: ASCII digits only, and few enough that int() is cheap and
+    never hits Python's digit limit (a version of 5,000 digits is simply not a version this server has)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 class _Runtime:
@@ -86,6 +93,18 @@ class _Runtime:
         return self.worker.problem
 
 
+MIN_AUTO_PIXELS, MAX_AUTO_PIXELS = 4_000_000, 40_000_000
+
+
+def image_pixel_limit(settings: Settings, spec: Preprocess) -> tuple[int, int]:
+    """(largest image, pixels of one request's images) a model decodes: the settings', else from the model's input.
+    A model resizing to 256 px needs nothing near 40 megapixels: 256 x its resize side squared (16.7 MP for
+    a 224/256 DeiT) is far more than any detail it can see, bounded by 4 MP (a phone photo scaled down) and
+    40 MP; a request may hold 4 such images."""
+    per_image = settings.max_image_pixels or min(MAX_AUTO_PIXELS, max(MIN_AUTO_PIXELS, 256 * spec.resize ** 2))
+    return per_image, settings.max_request_pixels or 4 * per_image
+
+
 class VisionRuntime(_Runtime):
     """An image classifier: requests' images go through its dynamic batcher."""
 
@@ -96,6 +115,7 @@ class VisionRuntime(_Runtime):
         self.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
         self.labels: list[str] = entry.labels or []
         self.output_function: str | None = entry.config.get("output_function")
+        self.max_image_pixels, self.max_request_pixels = image_pixel_limit(settings, self.preprocess)
         self.batcher = self.worker = DynamicBatcher(entry.name, self.predict, executor, metrics,
                                                     settings.max_batch_size, settings.max_queue_delay_ms / 1000,
                                                     settings.max_queue_size)
@@ -147,6 +167,7 @@ class Runtimes:
         self.locks: dict[str, asyncio.Lock] = {}  # repository loads/unloads of one model run one at a time
         self._releases: set[asyncio.Task[None]] = set()
         self.ready = False
+        self.decoder = DecodePool(settings.decode_threads)  # every vision model's images, fairly between requests
         self._version_series: set[tuple[str, str]] = set()  # (model, version) series of multimax_model_version_ready
         for name, versions in entries.items():
             self.versions[name] = {v: self.runtime_of(e) for v, e in sorted(versions.items())}
@@ -241,6 +262,7 @@ class Runtimes:
             rt.stop_waiting()  # shutting down: uvicorn has already waited for the in-flight requests
         runtimes = [rt for versions in self.versions.values() for rt in versions.values()]
         await asyncio.gather(*(self.release(rt, wait=False) for rt in runtimes), *self._releases)
+        self.decoder.close()
 
     def dead_loops(self) -> list[str]:
         """Models whose batcher or decode loop ended while the server is serving (a health check fails on
@@ -249,21 +271,22 @@ class Runtimes:
             return []  # not started yet, or stopping: the loops end on purpose
         return [rt.name for versions in self.versions.values() for rt in versions.values() if not rt.worker.alive]
 
-    def get(self, name: str, version: str | int | None = None) -> ModelRuntime:
-        """The runtime of `name` (its latest version, or `version`); 404 with the reason otherwise."""
+    def get(self, name: str, version: str | int | None = None, *, list_served: bool = True) -> ModelRuntime:
+        """The runtime of `name` (its latest version, or `version`); 404 with the reason otherwise (naming the
+        served models when `list_served`: not on the open readiness route)."""
         if name not in self.models:
             if name in self.names():
                 raise ServiceError(404, f"model {name!r} is not served: {self.why_not(name)}",
                                    code="model_not_found", param="model")
-            raise ServiceError(404, f"model {name!r} not found (served: {', '.join(self.models)})",
-                               code="model_not_found", param="model")
+            served = f" (served: {', '.join(self.models)})" if list_served else ""
+            raise ServiceError(404, f"model {shown(name)} not found{served}", code="model_not_found", param="model")
         if version is None or version == "":
             return self.models[name]
         versions = self.versions[name]
-        number = int(version) if isinstance(version, int) or (version.isascii() and version.isdigit()) else None
+        number = version if isinstance(version, int) else version_number(version)
         if number not in versions:
             why = (self.unavailable.get(name) or {}).get(number or 0)
-            raise ServiceError(404, f"model {name!r} has no version {str(version)!r} "
+            raise ServiceError(404, f"model {name!r} has no version {shown(str(version))} "
                                f"{f'({why}) ' if why else ''}(served: {', '.join(map(str, versions))})",
                                code="model_not_found", param="version")
         return versions[number]

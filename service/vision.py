@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ServiceError
+from service.pngcheck import missing_rows
 
 RESAMPLING = {
     "nearest": Image.Resampling.NEAREST,
@@ -58,35 +59,63 @@ class Preprocess:
         return (1 if self.channels == "L" else 3, self.image_size, self.image_size)
 
 
-def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
-    """Decoded image, or a 4xx ServiceError saying what is wrong with the bytes."""
+def _open_checked(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
+    """The image with only its header read, its size within the limits (a 4xx ServiceError otherwise)."""
     if not data:
         raise ServiceError(400, "empty image", code="invalid_image")
+    image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ServiceError(422, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels",
+                           code="image_too_large")
+    if min(width, height) < min_side:
+        raise ServiceError(422, f"image of {width}x{height} pixels is too small (sides must be at least "
+                                f"{min_side})", code="image_too_small")
+    return image
+
+
+def header_pixels(data: bytes, max_pixels: int, min_side: int) -> int:
+    """width x height from the image's header alone (what admission counts before anything is decoded)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ServiceError(422, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels",
-                                   code="image_too_large")
-            if min(width, height) < min_side:
-                raise ServiceError(422, f"image of {width}x{height} pixels is too small (sides must be at least "
-                                        f"{min_side})", code="image_too_small")
+            width, height = _open_checked(data, max_pixels, min_side).size
+    except Exception as exc:
+        raise _as_service_error(exc) from None
+    return width * height
+
+
+def _as_service_error(exc: Exception) -> ServiceError:
+    """What a client is told about an image Pillow could not open or decode."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, UnidentifiedImageError):
+        return ServiceError(422, "not an image Pillow can read (JPEG, PNG, WebP, BMP, GIF, TIFF, ...)",
+                            code="invalid_image")
+    if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return ServiceError(422, f"image rejected as a decompression bomb: {exc}", code="image_too_large")
+    if isinstance(exc, (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError)):
+        # Pillow reports damaged files through all of these ("image file is truncated", "broken PNG file", ...).
+        return ServiceError(422, f"corrupt or truncated image: {str(exc) or type(exc).__name__}",
+                            code="invalid_image")
+    raise exc
+
+
+def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
+    """Decoded image, or a 4xx ServiceError saying what is wrong with the bytes."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = _open_checked(data, max_pixels, min_side)
             image.load()
+            short = missing_rows(data) if image.format == "PNG" else None
+            if short is not None:
+                raise ServiceError(422, f"image data ends early: the compressed rows stop after about {short[0]} "
+                                        f"of {short[1]} rows", code="invalid_image")
             if image.getexif().get(0x0112, 1) != 1:  # phone photos: honour the orientation tag
                 image = ImageOps.exif_transpose(image)
-    except ServiceError:
-        raise
-    except UnidentifiedImageError:
-        raise ServiceError(422, "not an image Pillow can read (JPEG, PNG, WebP, BMP, GIF, TIFF, ...)",
-                           code="invalid_image") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ServiceError(422, f"image rejected as a decompression bomb: {exc}", code="image_too_large") from None
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as exc:
-        # Pillow reports damaged files through all of these ("image file is truncated", "broken PNG file", ...).
-        raise ServiceError(422, f"corrupt or truncated image: {str(exc) or type(exc).__name__}",
-                           code="invalid_image") from None
+    except Exception as exc:
+        raise _as_service_error(exc) from None
     return image
 
 

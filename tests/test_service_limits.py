@@ -34,7 +34,9 @@ def _strict(text: str | bytes) -> Any:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(max_json_bytes=256 * 1024)), raise_server_exceptions=False) as c:
+    # 40 MP images (the 8 x 2,000,000 one below): above the digits models' own default limit (4 MP)
+    settings = Settings(max_json_bytes=256 * 1024, max_image_pixels=40_000_000)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
+
 from models import registry as architectures
 from models.onnx_contract import LOGITS, PAST_PREFIX, PIXEL_VALUES
+from service.backends.base import TextBackend
 from service.entry import ModelEntry
 
 
@@ -55,3 +59,27 @@ def check_io(entry: ModelEntry, source: str) -> None:
             for name, dims in inputs.items():
                 if name.startswith(PAST_PREFIX):
                     _compare(source, f"input {name}", dims, [None, n_head, None, n_embd // n_head])
+
+
+def check_context(entry: ModelEntry, source: str) -> None:
+    """A text model's claimed context against its graph: one prompt of the full context must compute (and give
+    finite logits). A file whose metadata claims more positions than its position table holds would otherwise
+    load, then fail every long prompt with a 500 (and take the model's readiness with it)."""
+    if entry.kind != architectures.TEXT:
+        return
+
+    backend = entry.backend
+    assert isinstance(backend, TextBackend)
+    context, vocab = int(entry.config["block_size"]), int(entry.config["vocab_size"])
+    ids = (np.arange(context, dtype=np.int64) % vocab)[None]
+    mask = np.ones_like(ids)
+    try:
+        with torch.inference_mode():
+            logits = backend.forward_stateless(ids, mask)
+    except Exception as exc:  # whatever the runtime raises for an index out of its table
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a prompt "
+                         f"of {context} tokens fails ({first})") from None
+    if logits.shape[:2] != (1, context) or not np.isfinite(logits[0, -1]).all():
+        raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a prompt "
+                         f"of {context} tokens gives logits of shape {list(logits.shape)}, or not finite ones")
