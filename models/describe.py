@@ -26,7 +26,7 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
     config = config_of(ckpt)
     c = ckpt.config
     arch = registry.get(ckpt.arch)
-    sizes = {shown: c[key] for shown, key in arch.size_fields}
+    sizes = {shown: c[key] for shown, key in arch.size_fields if key in c}  # optional fields only where set
     layers = c[arch.depth_key]
     assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig)
     return {

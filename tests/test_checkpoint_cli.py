@@ -131,7 +131,10 @@ def test_mis_shaped_own_checkpoint_names_key_and_shapes(tmp_path: Path) -> None:
 
 def test_info_on_official_training_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = official_training_checkpoint(tmp_path / "official.pt")
-    assert main(["info", str(path), "--json"]) == 0
+    # The args name no known model: heads come from them, the LayerNorm eps must be given (issue 26).
+    assert main(["info", str(path)]) == 2
+    assert "cannot tell the LayerNorm eps" in capsys.readouterr().err
+    assert main(["info", str(path), "--json", "--ln-eps", "1e-6"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["format"] == "official-multimax"
     assert d["architecture"] == "deit"
@@ -140,7 +143,7 @@ def test_info_on_official_training_checkpoint(tmp_path: Path, capsys: pytest.Cap
     assert d["sizes"]["qkv_bias"] is False and d["sizes"]["pool"] == "avg"
     assert d["multimax"] == {"attention_layers": 2, "total_layers": 2, "output": True, "variant": "second"}
     assert d["parameters"] == sum(p.numel() for p in DeiT(small_deit_config()).parameters())
-    assert main(["info", str(path)]) == 0
+    assert main(["info", str(path), "--ln-eps", "1e-6"]) == 0
     text = capsys.readouterr().out
     assert "attention in 2/2 layers + output layer (second order)" in text
 
