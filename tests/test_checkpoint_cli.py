@@ -191,3 +191,13 @@ def test_plot_sigma(tmp_path: Path) -> None:
     proc = run_cli("plot-sigma", str(softmax), "-o", str(tmp_path / "s.png"), module="models.training")
     assert_clean_error(proc, "no MultiMax")
     assert not (tmp_path / "s.png").exists()
+
+
+def test_readme_info_sample_is_the_real_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/test_readme.py accepts a sample that leaves lines out; this one must be the command's output exactly."""
+    command = "$ python -m models info models/demo/digits_multimax.pt"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(command) + 1
+    sample = lines[start:lines.index("```", start)]
+    assert main(["info", str(ROOT / "models/demo/digits_multimax.pt")]) == 0
+    assert capsys.readouterr().out.splitlines() == sample
