@@ -67,6 +67,8 @@ def format_text(d: dict[str, Any]) -> str:
     if labels:
         shown = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
         label_text = f"{len(labels)}: {shown}"
+    elif registry.task_of(d["architecture"]) == registry.VISION:
+        label_text = "none stored (served with class indices as names; --labels FILE names them)"
     else:
         label_text = "none stored"
     rows = [

@@ -201,3 +201,16 @@ def test_readme_info_sample_is_the_real_output(capsys: pytest.CaptureFixture[str
     sample = lines[start:lines.index("```", start)]
     assert main(["info", str(ROOT / "models/demo/digits_multimax.pt")]) == 0
     assert capsys.readouterr().out.splitlines() == sample
+
+
+def test_load_flags_on_an_own_checkpoint_are_refused_not_ignored(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    model = DeiT(small_deit_config())
+    path = ckpt_io.save_checkpoint(ckpt_io.Checkpoint("deit", model.config.to_dict(), model.state_dict()),
+                                   tmp_path / "own.pt")
+    assert main(["info", str(path), "--num-heads", "4", "--ema"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}: --num-heads, --ema apply to foreign checkpoints (official / timm DeiT); this file "
+                   "is in the project's format and stores its config")
+    assert main(["info", str(path)]) == 0
+    assert "labels        none stored (served with class indices as names" in capsys.readouterr().out
