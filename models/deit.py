@@ -515,26 +515,27 @@ def adapt_checkpoint(
     facts = {"embed_dim": embed_dim, "depth": depth, "mlp_ratio": mlp_ratio}
     preset_name, preset_from = _choose_preset(preset, _get(args, "model"), facts)
     preset_cfg = DEIT_PRESETS[preset_name] if preset_name else {}
-    unknown = (f"a {embed_dim}-wide DeiT of depth {depth}, MLP ratio {mlp_ratio:g}, is no preset"
-               f"{_nearest(facts)} and its checkpoint saves no args that tell")
+    unknown = (f"a {embed_dim}-wide DeiT of depth {depth} and MLP ratio {mlp_ratio:g} matches no preset"
+               f"{_nearest(facts)}, and the checkpoint saves no args that say")
 
-    heads_from: str | None
-    if num_heads is not None:
-        heads, heads_from = int(num_heads), "flag"
-    elif _get(args, "num_heads") is not None:
-        heads, heads_from = int(_get(args, "num_heads")), "args"
-    elif preset_name is not None:
-        heads, heads_from = int(preset_cfg["num_heads"]), preset_from
-    else:
+    def first(name: str, flag: Any) -> tuple[Any, str] | None:
+        """The first source that knows `name`: its flag, a --preset, the saved args, a preset they or the shape name."""
+        from_preset = preset_cfg.get(name)
+        candidates = [(flag, "flag"), (from_preset if preset_from == "flag" else None, "flag"),
+                      (_get(args, name), "args"), (from_preset, preset_from or "preset")]
+        return next(((v, src) for v, src in candidates if v is not None), None)
+
+    found = first("num_heads", num_heads)
+    if found is None:
         raise CheckpointError(f"cannot tell the number of attention heads: {unknown}; pass num_heads (--num-heads)"
                               " and ln_eps (--ln-eps), or a preset (--preset)")
+    heads, heads_from = int(found[0]), found[1]
     if heads < 1 or embed_dim % heads:
         raise CheckpointError(f"num_heads {heads} (from {heads_from}) does not divide embed_dim {embed_dim}")
-    eps_source = next(((e, src) for e, src in ((ln_eps, "flag"), (_get(args, "ln_eps"), "args"),
-                                               (preset_cfg.get("ln_eps"), preset_from)) if e is not None), None)
+    eps_source = first("ln_eps", ln_eps)
     if eps_source is None:
-        raise CheckpointError(f"cannot tell the LayerNorm eps: {unknown}; pass ln_eps (--ln-eps): DeiT's models "
-                              "use 1e-6, the official file's plain VisionTransformer nn.LayerNorm's 1e-5")
+        raise CheckpointError(f"cannot tell the LayerNorm eps: {unknown}; pass ln_eps (--ln-eps): DeiT's models use "
+                              "1e-6, a VisionTransformer built without a norm_layer nn.LayerNorm's default 1e-5")
     eps = float(eps_source[0])
     if not 0 < eps < 1:
         raise CheckpointError(f"ln_eps {eps} (from {eps_source[1]}) must be between 0 and 1")

@@ -366,6 +366,13 @@ def test_width_alone_is_not_a_preset() -> None:
     assert (config.num_heads, config.ln_eps, info["preset"]) == (8, 1e-5, None)
     config, _, info = adapt_checkpoint(sd, preset="deit_small")  # the user's word for a shallower deit_small
     assert (config.num_heads, config.ln_eps, config.depth) == (6, 1e-6, 6)
+    # An explicit --preset beats the saved args; the args beat a preset only the shape names.
+    ckpt = training_checkpoint(sd, {"num_heads": 4, "ln_eps": 1e-5})
+    config, _, info = adapt_checkpoint(ckpt, preset="deit_small")
+    assert (config.num_heads, config.ln_eps, info["heads_from"], info["ln_eps_from"]) == (6, 1e-6, "flag", "flag")
+    config, _, info = adapt_checkpoint(training_checkpoint(make_state_dict(embed=384, depth=12, img=32, patch=16,
+                                                                           lazy=True), {"num_heads": 4}))
+    assert (config.num_heads, config.ln_eps, info["heads_from"], info["ln_eps_from"]) == (4, 1e-6, "args", "preset")
 
 
 # timm 0.3's vit_small_patch16_224, as the official file defines it: 768 wide, depth 8, 8 heads, MLP ratio 3,
