@@ -185,6 +185,14 @@ def test_export_takes_the_load_flags(tmp_path: Path, monkeypatch: pytest.MonkeyP
     init = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load("official.onnx").graph.initializer}
     head = init["model.head.weight"].reshape(ema["head.weight"].shape)
     assert np.array_equal(head, ema["head.weight"].numpy()) and not np.allclose(head, model["head.weight"].numpy())
+    # ... and the export of an official-code checkpoint (no labels in it) is served, classes named by index.
+    served = tmp_path / "served"
+    served.mkdir()
+    (tmp_path / "official.onnx").rename(served / "official.onnx")
+    with TestClient(create_app(Settings(model_dir=served, max_batch_size=2))) as client:
+        r = client.post("/v1/models/official/classify", content=png(), headers={"Content-Type": "image/png"})
+        assert r.status_code == 200, r.text
+        assert sorted(p["label"] for p in r.json()["predictions"][0]) == ["0", "1", "2"]
 
 
 # ---- serving a model a user made -----------------------------------------------------------------------
