@@ -13,6 +13,7 @@ from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.pipeline import DEFAULT_BATCH_SIZES, MIN_OPSET, ExportOptions, export_checkpoint
+from models.cli import add_load_hints
 from models.loading import CheckpointError
 
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, help="random inputs for validation (default: 100 vision inputs, fewer for "
                    "large models but every batch size at least once; 100 text cases)")
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,2,8")
-    p.add_argument("--num-heads", type=int, help="heads, for foreign checkpoints that do not store them")
+    p.add_argument("--labels", type=Path, metavar="FILE", help="class names for a vision model: one a line, a JSON "
+                   "list or an ImageNet class index (replaces those the checkpoint stores)")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
     precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="PyTorch threads for the reference pass (default: the cores idle "
                    "when the export starts)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_load_hints(p)  # the same flags as `python -m models info` for foreign checkpoints
     return p
 
 
@@ -58,9 +61,16 @@ def options_from(args: argparse.Namespace) -> ExportOptions:
         samples=args.samples,
         batch_sizes=args.batch_sizes,
         num_heads=args.num_heads,
+        ln_eps=args.ln_eps,
+        qk_scale=args.qk_scale,
+        preset=args.preset,
+        variant=args.variant,
+        use_ema=args.ema,
+        labels=args.labels,
         trt=args.trt,
         threads=args.threads,
         progress=not args.quiet,
+        notify=lambda line: print(line, file=sys.stderr, flush=True),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from export.summary import summary, verdict
 from export.tasks import export_task
 from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
-from models.checkpoint import load
+from models import registry
+from models.checkpoint import Checkpoint, load
+from models.labels import read_labels
 from models.onnx_contract import attention_function
 from plugins.trt_plugin import tensorrt_unavailable
 
@@ -46,13 +49,27 @@ class ExportOptions:
     validate: bool = True
     samples: int | None = None  # None: 100 (vision: fewer for large models, every batch size at least once)
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    num_heads: int | None = None  # for foreign checkpoints that do not store it
+    # Foreign checkpoints (official / timm DeiT) whose weights do not say everything: as `python -m models info`.
+    num_heads: int | None = None
+    ln_eps: float | None = None
+    qk_scale: float | None = None
+    preset: str | None = None
+    variant: str | None = None  # MultiMax variant, when the weights cannot tell
+    use_ema: bool = False  # a DeiT training checkpoint's `model_ema`
+    labels: Path | None = None  # class names to attach to a vision model (models.labels formats)
     trt: bool = False
     threads: int | None = None  # PyTorch threads for the reference pass; None: the cores idle at the start
     progress: bool = True
     # Name the checkpoint and ONNX file in the report relative to this directory (the shipped demo reports
     # name files, not this machine's paths); None: as given.
     report_relative_to: Path | None = None
+    # Told one line before an earlier file is replaced ("replacing existing x.onnx"); None: silent.
+    notify: Callable[[str], None] | None = None
+
+    def load_hints(self) -> dict[str, Any]:
+        hints = {"num_heads": self.num_heads, "ln_eps": self.ln_eps, "qk_scale": self.qk_scale,
+                 "preset": self.preset, "variant": self.variant, "use_ema": self.use_ema or None}
+        return {k: v for k, v in hints.items() if v is not None}
 
 
 @dataclass
@@ -115,11 +132,15 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     precision = options.precision
     phases = Phases(show=options.progress)
     with phases.phase("load checkpoint"):
-        model, ckpt, _ = load(ckpt_path, num_heads=options.num_heads)
+        model, ckpt, _ = load(ckpt_path, **options.load_hints())
+    if options.labels is not None:
+        attach_labels(ckpt, options.labels)
     suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
     out = Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
+    if out.exists() and options.notify is not None:
+        options.notify(f"replacing existing {out}")  # README flows re-export on purpose; a surprise otherwise
     task = export_task(ckpt.arch)
     exporter = task.export
     label = f"export {ckpt.arch} ({precision})"
@@ -159,6 +180,14 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     report_path = out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return ExportReport(out, report_path, report, summary(report, report_path, phases))
+
+
+def attach_labels(ckpt: Checkpoint, path: Path) -> None:
+    """Replace a vision checkpoint's class names by those in `path` (counted against its classes)."""
+    if registry.task_of(ckpt.arch) != registry.VISION:
+        raise ExportError(f"--labels is for image classifiers; this checkpoint is a {ckpt.arch} "
+                          f"({registry.task_of(ckpt.arch)}) model")
+    ckpt.labels = read_labels(path, int(ckpt.config["num_classes"]))
 
 
 def _named(path: Path, base: Path | None) -> str:

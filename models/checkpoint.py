@@ -27,6 +27,9 @@ FORMAT = "multimax/1"
 ARCHES = registry.names()
 
 IMAGENET_PREPROCESS = deit.IMAGENET_PREPROCESS
+# The command-line flag of each load hint, for messages.
+HINT_FLAGS = {"num_heads": "--num-heads", "ln_eps": "--ln-eps", "qk_scale": "--qk-scale", "preset": "--preset",
+              "variant": "--variant", "use_ema": "--ema"}
 
 
 @dataclass
@@ -114,6 +117,10 @@ def parse(obj: Any, source: str = "checkpoint", **hints: Any) -> tuple[Checkpoin
     `hints` go to foreign-layout load hooks (num_heads, ln_eps, preset, variant, use_ema).
     """
     if isinstance(obj, dict) and "format" in obj:
+        given = [HINT_FLAGS.get(k, k) for k, v in hints.items() if v is not None and v is not False]
+        if given:  # silently ignoring them would let a user believe they changed the model
+            raise CheckpointError(f"{source}: {', '.join(given)} apply to foreign checkpoints (official / timm DeiT); "
+                                  "this file is in the project's format and stores its config")
         return _parse_own(obj, source)
     arch = registry.for_foreign(obj) if isinstance(obj, dict) and obj else None
     if arch is not None and arch.adapt_checkpoint is not None:

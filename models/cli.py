@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from models import checkpoint as ckpt_io
 from models import deit, registry
 from models.describe import describe, format_text
+from models.labels import read_labels
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
 from models.output_function import OUTPUT_FUNCTIONS
@@ -77,12 +80,27 @@ def function_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def parse_scale(text: str) -> float:
+    """A positive number, or N**-0.5 / N^-0.5 (e.g. 768**-0.5, timm's vit_small_patch16_224 pretrained scale)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(?:\*\*|\^)\s*-0\.5\s*", text)
+    try:
+        value = float(m.group(1)) ** -0.5 if m else float(text)
+    except (ValueError, ZeroDivisionError):
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number or N**-0.5, got {text!r}")
+    return value
+
+
 def add_load_hints(p: argparse.ArgumentParser) -> None:
     """Flags for foreign checkpoints whose weights do not say everything (official / timm DeiT)."""
     g = p.add_argument_group("foreign checkpoints (official MultiMax / timm DeiT)")
     g.add_argument("--num-heads", type=int, help="attention heads (not stored in the weights)")
-    g.add_argument("--preset", choices=sorted(deit.DEIT_PRESETS), help="take heads and LayerNorm eps from a preset")
-    g.add_argument("--ln-eps", type=float, help="LayerNorm epsilon")
+    g.add_argument("--preset", choices=list(deit.DEIT_PRESETS),
+                   help="take heads, LayerNorm eps (and attention scale) from a preset")
+    g.add_argument("--ln-eps", type=float, help="LayerNorm epsilon (DeiT: 1e-6; nn.LayerNorm's default: 1e-5)")
+    g.add_argument("--qk-scale", type=parse_scale, metavar="SCALE",
+                   help="attention scale, e.g. 768**-0.5 (default: head_dim**-0.5)")
     g.add_argument("--variant", choices=VARIANTS, help="MultiMax variant, when the weights cannot tell")
     g.add_argument("--ema", action="store_true", help="load 'model_ema' from a DeiT training checkpoint")
 
@@ -92,6 +110,7 @@ def load_hints(args: argparse.Namespace) -> dict[str, Any]:
         "num_heads": args.num_heads,
         "preset": args.preset,
         "ln_eps": args.ln_eps,
+        "qk_scale": args.qk_scale,
         "variant": args.variant,
         "use_ema": args.ema or None,
     }
@@ -117,11 +136,16 @@ def cmd_init(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(registry.all_presets())}")
     overrides = common | {k: v for k in arch.init_options if (v := getattr(args, k))} | function_overrides(args)
     config = arch.preset_config(args.preset, **overrides)
+    fields = arch.new_checkpoint_fields()
+    if args.labels is not None:
+        if arch.task != registry.VISION:
+            raise UsageError(f"--labels is for image classifiers; {args.preset} is a {arch.task} model")
+        fields["labels"] = read_labels(args.labels, config.num_classes)
     model = arch.model(config)
     if args.params == "paper":
         arch.set_paper_params(model)
     ckpt = ckpt_io.Checkpoint(arch.name, config.to_dict(), model.state_dict(),
-                              meta={"init": args.params, "seed": args.seed}, **arch.new_checkpoint_fields())
+                              meta={"init": args.params, "seed": args.seed}, **fields)
     out = ckpt_io.save_checkpoint(ckpt, args.output)
     params = sum(p.numel() for p in model.parameters())
     fn, out_fn = config.attention_function, config.output_function
@@ -150,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_function_args(p)
     p.add_argument("--num-classes", type=int, help="DeiT classifier size (default 1000)")
     p.add_argument("--pool", choices=("avg", "token"), help="DeiT pooling (default avg, as the official code)")
+    p.add_argument("--labels", metavar="FILE", help="class names: one a line, a JSON list or an ImageNet class "
+                   "index (default: none; the server names classes by index)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_init)

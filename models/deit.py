@@ -59,6 +59,9 @@ class DeiTConfig:
     mlp_ratio: float = 4.0
     qkv_bias: bool = False  # the official MultiMax Attention has none; timm DeiT has one
     ln_eps: float = 1e-6  # DeiT builds its models with partial(nn.LayerNorm, eps=1e-6)
+    # The attention scale; None: head_dim**-0.5. timm's vit_small_patch16_224 built for its pretrained
+    # weights uses 768**-0.5 (the official file's `qk_scale`).
+    qk_scale: float | None = None
     pool: Pool = "avg"  # "avg": official MultiMax (no class token); "token": timm DeiT class token
     multimax_attention: bool = True
     multimax_output: bool = True
@@ -81,6 +84,8 @@ class DeiTConfig:
             raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
         if self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if self.qk_scale is not None and not (isinstance(self.qk_scale, int | float) and 0 < self.qk_scale < math.inf):
+            raise ValueError(f"qk_scale must be a positive number, got {self.qk_scale!r}")
         if self.pool not in ("avg", "token"):
             raise ValueError(f"pool must be 'avg' or 'token', got {self.pool!r}")
         if self.variant not in VARIANTS:
@@ -105,7 +110,10 @@ class DeiTConfig:
         return cls.from_dict({**DEIT_PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return config_dict(dataclasses.asdict(self))
+        d = config_dict(dataclasses.asdict(self))
+        if d["qk_scale"] is None:  # left out where it is the default, so existing configs read and write as before
+            del d["qk_scale"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeiTConfig:
@@ -116,12 +124,27 @@ class DeiTConfig:
         return cls(**d)
 
 
-# MULTIMAX.md table; the rest (official layout: avg pool, no qkv bias, MultiMax on) are the defaults.
+# MULTIMAX.md table; the rest (official layout: avg pool, no qkv bias, MultiMax on) are the defaults. The vit_*
+# entries are the official file's other models (timm 0.3's definitions): vit_small is NOT deit_small (768 wide,
+# depth 8, MLP ratio 3, nn.LayerNorm's eps 1e-5); vit_base_* is deit_base's shape and settings; vit_huge keeps
+# eps 1e-5. `SHAPE` says which fields the weights show: a checkpoint gets a preset's heads and eps only when
+# all of them agree.
 DEIT_PRESETS: dict[str, dict[str, Any]] = {
     "deit_tiny": dict(embed_dim=192, num_heads=3, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
     "deit_small": dict(embed_dim=384, num_heads=6, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
     "deit_base": dict(embed_dim=768, num_heads=12, depth=12, mlp_ratio=4.0, patch_size=16, img_size=224, ln_eps=1e-6),
+    "vit_small_patch16_224": dict(embed_dim=768, num_heads=8, depth=8, mlp_ratio=3.0, patch_size=16, img_size=224,
+                                  ln_eps=1e-5),
+    "vit_large_patch16_224": dict(embed_dim=1024, num_heads=16, depth=24, mlp_ratio=4.0, patch_size=16, img_size=224,
+                                  ln_eps=1e-6),
+    "vit_huge_patch16_224": dict(embed_dim=1280, num_heads=16, depth=32, mlp_ratio=4.0, patch_size=16, img_size=224,
+                                 ln_eps=1e-5),
 }
+SHAPE = ("embed_dim", "depth", "mlp_ratio")
+# Presets whose attention scale depends on how the model was built, not on its name: timm's
+# vit_small_patch16_224(pretrained=True) sets qk_scale=768**-0.5, pretrained=False (what DeiT's main.py
+# trains) keeps head_dim**-0.5.
+AMBIGUOUS_SCALE = {"vit_small_patch16_224": 768**-0.5}
 
 
 def _add_multimax_params(module: nn.Module, affine: bool) -> None:
@@ -159,7 +182,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.qk_scale if config.qk_scale is not None else self.head_dim**-0.5
         self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=config.qkv_bias)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
         self.multimax = config.multimax_attention
@@ -313,11 +336,62 @@ def _get(args: Any, name: str) -> Any:
 
 
 def _preset_from_model_name(model_name: Any) -> str | None:
-    """'deit_small_patch16_224' -> 'deit_small'. vit_* names are not mapped: their widths differ."""
+    """The preset of a timm model name: 'deit_small_patch16_224' -> 'deit_small', 'vit_base_patch32_384' ->
+    'deit_base' (the same settings), 'vit_large_patch16_384' -> 'vit_large_patch16_224'."""
     if not isinstance(model_name, str):
         return None
-    m = re.match(r"deit_(tiny|small|base)(?:_|$)", model_name)
-    return f"deit_{m.group(1)}" if m else None
+    if m := re.match(r"deit_(tiny|small|base)(?:_|$)", model_name):
+        return f"deit_{m.group(1)}"
+    if m := re.fullmatch(r"vit_(small|base|large|huge)_patch\d+_\d+", model_name):
+        return "deit_base" if m.group(1) == "base" else f"vit_{m.group(1)}_patch16_224"
+    return None
+
+
+def _choose_preset(flag: str | None, model_name: Any, facts: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(preset, where it came from) for a checkpoint whose weights show `facts` (SHAPE's fields)."""
+    if flag is not None:
+        if flag not in DEIT_PRESETS:
+            raise CheckpointError(f"unknown DeiT preset {flag!r}; known presets: {', '.join(DEIT_PRESETS)}")
+        width = DEIT_PRESETS[flag]["embed_dim"]
+        if width != facts["embed_dim"]:
+            raise CheckpointError(f"preset {flag} is {width} wide but the checkpoint is {facts['embed_dim']} wide; "
+                                  "pass num_heads (--num-heads) and ln_eps (--ln-eps) instead")
+        return flag, "flag"  # the user's word for the rest (depth may differ: a shallower run of that model)
+    # A saved model name that the weights contradict (a renamed or edited run) is not trusted.
+    named = _preset_from_model_name(model_name)
+    if named is not None and _fits(named, facts):
+        return named, "args"
+    shaped = next((name for name in DEIT_PRESETS if _fits(name, facts)), None)
+    return (shaped, "preset") if shaped else (None, None)
+
+
+def _fits(preset: str, facts: Mapping[str, Any]) -> bool:
+    return all(DEIT_PRESETS[preset][k] == facts[k] for k in SHAPE)
+
+
+def _nearest(facts: Mapping[str, Any]) -> str:
+    """' (deit_small is depth 12, MLP ratio 4)': the presets of the same width, for the error message."""
+    same = [n for n, p in DEIT_PRESETS.items() if p["embed_dim"] == facts["embed_dim"]]
+    told = [f"{n} is depth {DEIT_PRESETS[n]['depth']}, MLP ratio {DEIT_PRESETS[n]['mlp_ratio']:g}" for n in same]
+    return f" ({'; '.join(told)})" if told else ""
+
+
+def _attention_scale(flag: float | None, args: Any, preset: str | None, embed_dim: int,
+                     heads: int) -> tuple[float | None, str]:
+    """(qk_scale or None for head_dim**-0.5, where it came from)."""
+    value, source = (flag, "flag") if flag is not None else (_get(args, "qk_scale"), "args")
+    if value is not None:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise CheckpointError(f"qk_scale {value!r} (from {source}) must be a positive number")
+        return float(value), source
+    if preset in AMBIGUOUS_SCALE and args is None:
+        # DeiT's main.py always builds with pretrained=False, so a training checkpoint (args saved) is known.
+        head_dim = embed_dim // heads
+        raise CheckpointError(
+            f"cannot tell the attention scale of a {preset}: timm uses qk_scale {AMBIGUOUS_SCALE[preset]:.6g} "
+            f"(768**-0.5) for its pretrained weights and head_dim**-0.5 = {head_dim**-0.5:.6g} when built with "
+            "pretrained=False (as DeiT's training does); pass qk_scale (--qk-scale)")
+    return None, "default"
 
 
 def _unwrap(obj: Any, use_ema: bool) -> tuple[Mapping[str, Any], str, Any, Any]:
@@ -361,6 +435,7 @@ def adapt_checkpoint(
     preset: str | None = None,
     num_heads: int | None = None,
     ln_eps: float | None = None,
+    qk_scale: float | None = None,
     variant: str | None = None,
     use_ema: bool = False,
 ) -> tuple[DeiTConfig, dict[str, Tensor], dict[str, Any]]:
@@ -368,9 +443,11 @@ def adapt_checkpoint(
 
     Shapes give width, depth, patch, channels, image size, classes, MLP ratio, qkv bias, pooling and
     where MultiMax sits; V2 is recognised by its `t` scalars ("first" vs "second" order cannot be seen
-    in the weights: pass `variant`). Head count and LayerNorm eps are not in the weights; they come
-    from the explicit arguments (`num_heads`, `ln_eps`, `preset`), else the checkpoint's saved `args`
-    (`num_heads`, or the preset its `model` names), else the preset of the same width.
+    in the weights: pass `variant`). Head count, LayerNorm eps and attention scale are not in the weights;
+    they come from the explicit arguments (`num_heads`, `ln_eps`, `qk_scale`, `preset`), else the
+    checkpoint's saved `args` (`num_heads`, `ln_eps`, `qk_scale`, or the preset its `model` names), else
+    the preset whose width, depth and MLP ratio all equal the weights'. What none of them tells is an error
+    asking for it; distilled and hybrid models are refused by name.
     """
     raw, source, args, epoch = _unwrap(obj, use_ema)
     sd = strip_prefixes(raw)
@@ -379,8 +456,13 @@ def adapt_checkpoint(
             "not a DeiT state dict: no 'patch_embed.proj.weight' (keys start with "
             f"{', '.join(list(sd)[:3]) or 'nothing'})"
         )
+    # Refused by name rather than failing later on a key or shape that does not say why.
     if "dist_token" in sd or any(k.startswith("head_dist.") for k in sd):
-        raise CheckpointError("distilled DeiT (dist_token / head_dist) is not supported")
+        raise CheckpointError("distilled DeiT (dist_token / head_dist, e.g. deit_base_distilled_patch16_224) is not "
+                              "supported: it has a second head and token this loader does not build")
+    if any(k.startswith("patch_embed.backbone.") for k in sd):
+        raise CheckpointError("hybrid ViT (a ResNet backbone in patch_embed.backbone.*, e.g. vit_base_resnet50d_224) "
+                              "is not supported: only patch-embedding ViT/DeiT models load")
 
     pw = _shape(sd, "patch_embed.proj.weight")
     if len(pw) != 4 or pw[2] != pw[3]:
@@ -428,45 +510,36 @@ def adapt_checkpoint(
             f"{'has' if is_v2 else 'has no'} V2 scalars blocks.{{i}}.attn.t/b"
         )
 
-    # Head count and eps: explicit flags > the checkpoint's args > the preset of the same width.
-    def width_of(name: str) -> int:
-        return int(DEIT_PRESETS[name]["embed_dim"])
-
-    preset_name, preset_from = None, None
-    if preset is not None:
-        if preset not in DEIT_PRESETS:
-            raise CheckpointError(f"unknown DeiT preset {preset!r}; known presets: {', '.join(DEIT_PRESETS)}")
-        if width_of(preset) != embed_dim:
-            raise CheckpointError(
-                f"preset {preset} is {width_of(preset)} wide but the checkpoint is {embed_dim} "
-                "wide; pass num_heads (--num-heads) instead"
-            )
-        preset_name, preset_from = preset, "flag"
-    else:
-        # A saved model name of another width (e.g. a renamed run) is ignored rather than trusted.
-        named = _preset_from_model_name(_get(args, "model"))
-        if named is not None and width_of(named) == embed_dim:
-            preset_name, preset_from = named, "args"
-        else:
-            preset_name = next((n for n in DEIT_PRESETS if width_of(n) == embed_dim), None)
-            preset_from = "preset" if preset_name else None
+    # Heads, eps and attention scale are not in the weights: explicit flags > the checkpoint's args > a preset
+    # that the args name or whose shape the weights have (all of SHAPE, not the width alone).
+    facts = {"embed_dim": embed_dim, "depth": depth, "mlp_ratio": mlp_ratio}
+    preset_name, preset_from = _choose_preset(preset, _get(args, "model"), facts)
     preset_cfg = DEIT_PRESETS[preset_name] if preset_name else {}
+    unknown = (f"a {embed_dim}-wide DeiT of depth {depth} and MLP ratio {mlp_ratio:g} matches no preset"
+               f"{_nearest(facts)}, and the checkpoint saves no args that say")
 
-    heads_from: str | None
-    if num_heads is not None:
-        heads, heads_from = int(num_heads), "flag"
-    elif _get(args, "num_heads") is not None:
-        heads, heads_from = int(_get(args, "num_heads")), "args"
-    elif preset_name is not None:
-        heads, heads_from = int(preset_cfg["num_heads"]), preset_from
-    else:
-        raise CheckpointError(
-            f"cannot tell the number of attention heads of a {embed_dim}-wide DeiT (no known "
-            "preset or saved args); pass num_heads (--num-heads)"
-        )
+    def first(name: str, flag: Any) -> tuple[Any, str] | None:
+        """The first source that knows `name`: its flag, a --preset, the saved args, a preset they or the shape name."""
+        from_preset = preset_cfg.get(name)
+        candidates = [(flag, "flag"), (from_preset if preset_from == "flag" else None, "flag"),
+                      (_get(args, name), "args"), (from_preset, preset_from or "preset")]
+        return next(((v, src) for v, src in candidates if v is not None), None)
+
+    found = first("num_heads", num_heads)
+    if found is None:
+        raise CheckpointError(f"cannot tell the number of attention heads: {unknown}; pass num_heads (--num-heads)"
+                              " and ln_eps (--ln-eps), or a preset (--preset)")
+    heads, heads_from = int(found[0]), found[1]
     if heads < 1 or embed_dim % heads:
         raise CheckpointError(f"num_heads {heads} (from {heads_from}) does not divide embed_dim {embed_dim}")
-    eps = next((float(e) for e in (ln_eps, _get(args, "ln_eps"), preset_cfg.get("ln_eps")) if e is not None), 1e-6)
+    eps_source = first("ln_eps", ln_eps)
+    if eps_source is None:
+        raise CheckpointError(f"cannot tell the LayerNorm eps: {unknown}; pass ln_eps (--ln-eps): DeiT's models use "
+                              "1e-6, a VisionTransformer built without a norm_layer nn.LayerNorm's default 1e-5")
+    eps = float(eps_source[0])
+    if not 0 < eps < 1:
+        raise CheckpointError(f"ln_eps {eps} (from {eps_source[1]}) must be between 0 and 1")
+    scale, scale_from = _attention_scale(qk_scale, args, preset_name, embed_dim, heads)
 
     config = DeiTConfig(
         img_size=grid * patch_size,
@@ -479,6 +552,7 @@ def adapt_checkpoint(
         mlp_ratio=mlp_ratio,
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
         ln_eps=eps,
+        qk_scale=scale,
         pool=pool,
         multimax_attention=multimax_attention,
         multimax_output=multimax_output,
@@ -489,25 +563,17 @@ def adapt_checkpoint(
         "layout": "timm-deit" if pool == "token" else "official-multimax",
         "source_keys": source,
         "heads_from": heads_from,
+        "ln_eps_from": eps_source[1],
+        "qk_scale_from": scale_from,
         "preset": preset_name,
         "epoch": epoch,
     }
     return config, dict(sd), info
 
 
-def build_from_checkpoint(
-    obj: Any,
-    *,
-    preset: str | None = None,
-    num_heads: int | None = None,
-    ln_eps: float | None = None,
-    variant: str | None = None,
-    use_ema: bool = False,
-) -> tuple[DeiT, DeiTConfig, dict[str, Any]]:
-    """adapt_checkpoint + construct + exact load; the model is returned in eval mode."""
-    config, sd, info = adapt_checkpoint(
-        obj, preset=preset, num_heads=num_heads, ln_eps=ln_eps, variant=variant, use_ema=use_ema
-    )
+def build_from_checkpoint(obj: Any, **hints: Any) -> tuple[DeiT, DeiTConfig, dict[str, Any]]:
+    """adapt_checkpoint (same keyword hints) + construct + exact load; the model is returned in eval mode."""
+    config, sd, info = adapt_checkpoint(obj, **hints)
     model = DeiT(config)
     load_exact(model, sd, source="checkpoint")
     return model.eval(), config, info

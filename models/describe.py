@@ -26,7 +26,7 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
     config = config_of(ckpt)
     c = ckpt.config
     arch = registry.get(ckpt.arch)
-    sizes = {shown: c[key] for shown, key in arch.size_fields}
+    sizes = {shown: c[key] for shown, key in arch.size_fields if key in c}  # optional fields only where set
     layers = c[arch.depth_key]
     assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig)
     return {
@@ -67,6 +67,8 @@ def format_text(d: dict[str, Any]) -> str:
     if labels:
         shown = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
         label_text = f"{len(labels)}: {shown}"
+    elif registry.task_of(d["architecture"]) == registry.VISION:
+        label_text = "none stored (served with class indices as names; --labels FILE names them)"
     else:
         label_text = "none stored"
     rows = [

@@ -44,7 +44,7 @@ class Architecture:
     # what a new checkpoint of this architecture stores beside the weights (preprocess or tokenizer)
     new_checkpoint_fields: Callable[[], dict[str, Any]] = dict
     init_options: tuple[str, ...] = ()  # `python -m models init` options that reach this config
-    # `python -m models info`: (shown name, config field) of the sizes worth showing
+    # `python -m models info`: (shown name, config field) of the sizes worth showing (where the config has it)
     size_fields: tuple[tuple[str, str], ...] = ()
 
     def config(self, fields: Mapping[str, Any]) -> Any:
@@ -119,7 +119,7 @@ register(Architecture(
     size_fields=(("embed_dim", "embed_dim"), ("depth", "depth"), ("num_heads", "num_heads"),
                  ("mlp_ratio", "mlp_ratio"), ("patch_size", "patch_size"), ("image_size", "img_size"),
                  ("in_chans", "in_chans"), ("num_classes", "num_classes"), ("qkv_bias", "qkv_bias"),
-                 ("pool", "pool"), ("ln_eps", "ln_eps")),
+                 ("pool", "pool"), ("ln_eps", "ln_eps"), ("qk_scale", "qk_scale")),
 ))
 register(Architecture(
     "gpt", TEXT, gpt.GPTConfig, gpt.GPT, gpt.GPT_PRESETS, "n_layer", gpt.set_paper_params,

@@ -17,11 +17,11 @@ from service.vision import Preprocess
 class ServedTask:
     name: str  # the task name clients see (/v1/models, KServe parameters)
     endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
-    metadata: tuple[str, ...]  # metadata fields a file must carry to be served
+    metadata: tuple[str, ...]  # metadata fields a file must carry to be served (a vision model's labels are optional)
 
 
 SERVED_TASKS = {
-    architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("labels", "preprocess")),
+    architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("preprocess",)),
     architectures.TEXT: ServedTask("text-generation", ("completions", "infer"), ("tokenizer",)),
 }
 

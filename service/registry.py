@@ -19,6 +19,7 @@ from typing import Any
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint
+from models.labels import index_labels
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
 from models.tokenizer import ByteTokenizer
 from service.backends.base import Backend, BackendUnavailable
@@ -150,9 +151,10 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
     if arch not in architectures.names():
         raise BackendUnavailable(f"{path.name}: no {meta_key('arch')} metadata (got {arch!r}); not a MultiMax export?")
     task = architectures.task_of(arch)
-    needs = SERVED_TASKS[task].metadata
-    if not all(getattr(meta, field) for field in needs):
-        raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(needs)} metadata")
+    missing = [field for field in SERVED_TASKS[task].metadata if not getattr(meta, field)]
+    if missing:
+        raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(missing)} metadata; the file has "
+                                 "none")
     entry = ModelEntry(name, arch, backend, dict(meta.config), meta.labels, meta.preprocess, meta.tokenizer)
     try:
         validate(entry, path.name)
@@ -182,6 +184,11 @@ def _validate_vision(entry: ModelEntry, source: str) -> None:
         entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
+    if entry.labels is None:  # labels are optional: classes are named by their index until a file gives names
+        classes = entry.config.get("num_classes")
+        if not isinstance(classes, int) or isinstance(classes, bool) or classes < 1:
+            raise ValueError(f"{source}: no labels, and config num_classes {classes!r} is not a positive integer")
+        entry.labels = index_labels(classes)
     labels = entry.labels
     if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
         raise ValueError(f"{source}: labels must be a list of strings")

@@ -131,7 +131,10 @@ def test_mis_shaped_own_checkpoint_names_key_and_shapes(tmp_path: Path) -> None:
 
 def test_info_on_official_training_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = official_training_checkpoint(tmp_path / "official.pt")
-    assert main(["info", str(path), "--json"]) == 0
+    # The args name no known model: heads come from them, the LayerNorm eps must be given (issue 26).
+    assert main(["info", str(path)]) == 2
+    assert "cannot tell the LayerNorm eps" in capsys.readouterr().err
+    assert main(["info", str(path), "--json", "--ln-eps", "1e-6"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["format"] == "official-multimax"
     assert d["architecture"] == "deit"
@@ -140,7 +143,7 @@ def test_info_on_official_training_checkpoint(tmp_path: Path, capsys: pytest.Cap
     assert d["sizes"]["qkv_bias"] is False and d["sizes"]["pool"] == "avg"
     assert d["multimax"] == {"attention_layers": 2, "total_layers": 2, "output": True, "variant": "second"}
     assert d["parameters"] == sum(p.numel() for p in DeiT(small_deit_config()).parameters())
-    assert main(["info", str(path)]) == 0
+    assert main(["info", str(path), "--ln-eps", "1e-6"]) == 0
     text = capsys.readouterr().out
     assert "attention in 2/2 layers + output layer (second order)" in text
 
@@ -188,3 +191,26 @@ def test_plot_sigma(tmp_path: Path) -> None:
     proc = run_cli("plot-sigma", str(softmax), "-o", str(tmp_path / "s.png"), module="models.training")
     assert_clean_error(proc, "no MultiMax")
     assert not (tmp_path / "s.png").exists()
+
+
+def test_readme_info_sample_is_the_real_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/test_readme.py accepts a sample that leaves lines out; this one must be the command's output exactly."""
+    command = "$ python -m models info models/demo/digits_multimax.pt"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(command) + 1
+    sample = lines[start:lines.index("```", start)]
+    assert main(["info", str(ROOT / "models/demo/digits_multimax.pt")]) == 0
+    assert capsys.readouterr().out.splitlines() == sample
+
+
+def test_load_flags_on_an_own_checkpoint_are_refused_not_ignored(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    model = DeiT(small_deit_config())
+    path = ckpt_io.save_checkpoint(ckpt_io.Checkpoint("deit", model.config.to_dict(), model.state_dict()),
+                                   tmp_path / "own.pt")
+    assert main(["info", str(path), "--num-heads", "4", "--ema"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}: --num-heads, --ema apply to foreign checkpoints (official / timm DeiT); this file "
+                   "is in the project's format and stores its config")
+    assert main(["info", str(path)]) == 0
+    assert "labels        none stored (served with class indices as names" in capsys.readouterr().out

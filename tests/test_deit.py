@@ -44,15 +44,17 @@ def make_state_dict(
     mm_out: bool = True,
     v2: bool = False,
     seed: int = 0,
+    lazy: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Random weights scaled so that attention scores and logits reach MultiMax's breakpoints (|x| ~ 1-3);
-    MultiMax parameters are the paper's Table 7 rows (output: the last row)."""
+    MultiMax parameters are the paper's Table 7 rows (output: the last row). `lazy`: the shapes only (one
+    zero broadcast to each), for loader tests of full-size models that never run them."""
     g = torch.Generator().manual_seed(seed)
     hidden = hidden or 4 * embed
     tokens = (img // patch) ** 2 + (1 if cls_token else 0)
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+        return torch.zeros(()).expand(*shape) if lazy else torch.randn(*shape, generator=g) * std
 
     sd: dict[str, torch.Tensor] = {
         "patch_embed.proj.weight": rnd(embed, in_chans, patch, patch, std=0.1),
@@ -126,7 +128,8 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 
 
 def reference_forward(
-    sd: dict[str, torch.Tensor], images: torch.Tensor, *, heads: int, eps: float = 1e-6, order: int = 2
+    sd: dict[str, torch.Tensor], images: torch.Tensor, *, heads: int, eps: float = 1e-6, order: int = 2,
+    scale: float | None = None,
 ) -> torch.Tensor:
     w = sd["patch_embed.proj.weight"]
     embed, _, patch, _ = w.shape
@@ -148,7 +151,7 @@ def reference_forward(
         heads_out = []
         for hd in range(heads):
             sl = slice(hd * D, (hd + 1) * D)
-            s = torch.einsum("bnd,bmd->bnm", q[..., sl], k[..., sl]) / math.sqrt(D)
+            s = torch.einsum("bnd,bmd->bnm", q[..., sl], k[..., sl]) * (scale or 1 / math.sqrt(D))
             if p + "attn.t" in sd:
                 s = sd[p + "attn.t"] * s + sd[p + "attn.b"]
             if p + "attn.ranges" in sd:
@@ -169,7 +172,7 @@ def reference_forward(
     return logits
 
 
-def max_diff(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor, **kw: int) -> float:
+def max_diff(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor, **kw: float) -> float:
     """Largest |model - reference| in float32; also checks float64, where only the formulas can differ
     (to 1e-6, not ~1e-12: models.multimax.attention_probs runs its softmax in float32 for any input dtype)."""
     with torch.no_grad():
@@ -190,7 +193,7 @@ def images(n: int = 2, size: int = 32, chans: int = 3, seed: int = 1) -> torch.T
 
 def test_official_checkpoint_matches_reference() -> None:
     sd = make_state_dict()
-    ckpt = training_checkpoint(sd, {"model": "multimax_deit_custom", "num_heads": 3, "epochs": 300})
+    ckpt = training_checkpoint(sd, {"model": "multimax_deit_custom", "num_heads": 3, "ln_eps": 1e-6, "epochs": 300})
     model, config, info = build_from_checkpoint(ckpt)
 
     assert not model.training
@@ -198,6 +201,8 @@ def test_official_checkpoint_matches_reference() -> None:
         "layout": "official-multimax",
         "source_keys": "model",
         "heads_from": "args",
+        "ln_eps_from": "args",
+        "qk_scale_from": "default",
         "preset": None,
         "epoch": 3,
     }
@@ -231,7 +236,7 @@ def test_state_dict_keys_are_official() -> None:
 
 def test_timm_layout_matches_reference() -> None:
     sd = make_state_dict(cls_token=True, qkv_bias=True, mm_attn=False, mm_out=False, seed=5)
-    model, config, info = build_from_checkpoint(sd, num_heads=3)
+    model, config, info = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
     assert info["layout"] == "timm-deit" and info["source_keys"] == "raw" and info["epoch"] is None
     assert config.pool == "token" and config.qkv_bias
     assert not config.multimax_attention and not config.multimax_output
@@ -244,20 +249,20 @@ def test_timm_layout_matches_reference() -> None:
 
 def test_infers_shapes_from_weights() -> None:
     sd = make_state_dict(embed=48, depth=3, img=24, patch=4, in_chans=1, classes=7, hidden=96, qkv_bias=True)
-    config, clean, _ = adapt_checkpoint(sd, num_heads=4)
+    config, clean, _ = adapt_checkpoint(sd, num_heads=4, ln_eps=1e-6)
     assert (config.embed_dim, config.depth, config.num_heads) == (48, 3, 4)
     assert (config.patch_size, config.img_size, config.in_chans) == (4, 24, 1)
     assert (config.num_classes, config.mlp_ratio, config.qkv_bias) == (7, 2.0, True)
     assert config.pool == "avg" and config.num_patches == 36 and config.head_dim == 12
     assert clean.keys() == sd.keys()
-    model, _, _ = build_from_checkpoint(sd, num_heads=4)
+    model, _, _ = build_from_checkpoint(sd, num_heads=4, ln_eps=1e-6)
     assert max_diff(model, sd, images(1, size=24, chans=1), heads=4) <= 1e-5
 
 
 @pytest.mark.parametrize(("mm_attn", "mm_out"), [(True, False), (False, True), (False, False)])
 def test_infers_multimax_placement(mm_attn: bool, mm_out: bool) -> None:
     sd = make_state_dict(mm_attn=mm_attn, mm_out=mm_out)
-    model, config, _ = build_from_checkpoint(sd, num_heads=3)
+    model, config, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
     assert (config.multimax_attention, config.multimax_output) == (mm_attn, mm_out)
     assert max_diff(model, sd, images(), heads=3) <= 1e-5
 
@@ -267,33 +272,33 @@ def test_mixed_multimax_blocks_rejected() -> None:
     for key in ("blocks.1.attn.ranges", "blocks.1.attn.ts"):
         del sd[key]
     with pytest.raises(CheckpointError, match=r"only in blocks \[0, 2\]; missing in blocks \[1\]"):
-        adapt_checkpoint(sd, num_heads=3)
+        adapt_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 def test_v2_detected_and_matches_reference() -> None:
     sd = make_state_dict(v2=True)
-    model, config, _ = build_from_checkpoint(sd, num_heads=3)
+    model, config, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
     assert config.variant == "v2"
     # V2: attention is t*x+b then first order; the output MultiMax is first order without t/b.
     assert max_diff(model, sd, images(), heads=3, order=1) <= 1e-5
     with pytest.raises(CheckpointError, match="V2"):
-        adapt_checkpoint(sd, num_heads=3, variant="second")
+        adapt_checkpoint(sd, num_heads=3, ln_eps=1e-6, variant="second")
     with pytest.raises(CheckpointError, match="V2"):
-        adapt_checkpoint(make_state_dict(), num_heads=3, variant="v2")
+        adapt_checkpoint(make_state_dict(), num_heads=3, ln_eps=1e-6, variant="v2")
 
 
 def test_variants_differ_from_second_order() -> None:
     sd = make_state_dict()
     x = images()
-    second, _, _ = build_from_checkpoint(sd, num_heads=3)
-    first, cfg_first, _ = build_from_checkpoint(sd, num_heads=3, variant="first")
+    second, _, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
+    first, cfg_first, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6, variant="first")
     assert cfg_first.variant == "first"
     v2_sd = dict(sd)
     for i in range(2):  # identity affine: V2 reduces to first order
         v2_sd[f"blocks.{i}.attn.t"] = torch.tensor(1.0)
         v2_sd[f"blocks.{i}.attn.b"] = torch.tensor(0.0)
-    v2, _, _ = build_from_checkpoint(v2_sd, num_heads=3)
-    v2_scaled, _, _ = build_from_checkpoint(make_state_dict(v2=True), num_heads=3)
+    v2, _, _ = build_from_checkpoint(v2_sd, num_heads=3, ln_eps=1e-6)
+    v2_scaled, _, _ = build_from_checkpoint(make_state_dict(v2=True), num_heads=3, ln_eps=1e-6)
     with torch.no_grad():
         y2, y1, yv2, yv2s = second(x), first(x), v2(x), v2_scaled(x)
     assert (y2 - y1).abs().max().item() > 1e-2
@@ -323,27 +328,105 @@ def test_heads_from_flag_beats_args() -> None:
     ids=["dict", "simplenamespace", "argparse"],
 )
 def test_heads_from_args(args: object) -> None:
-    config, _, info = adapt_checkpoint(training_checkpoint(make_state_dict(), args))
+    config, _, info = adapt_checkpoint(training_checkpoint(make_state_dict(), args), ln_eps=1e-6)
     assert (config.num_heads, info["heads_from"], info["epoch"]) == (6, "args", 3)
 
 
 def test_heads_from_args_model_name() -> None:
-    sd = make_state_dict(embed=192, depth=1, img=32, patch=16, mm_out=False)
+    sd = make_state_dict(embed=192, depth=12, img=32, patch=16, mm_out=False, lazy=True)
     config, _, info = adapt_checkpoint(training_checkpoint(sd, {"model": "deit_tiny_patch16_224"}))
     assert (config.num_heads, info["heads_from"], info["preset"]) == (3, "args", "deit_tiny")
-    # A saved model name of another width is not trusted; the width decides.
+    # A saved model name the weights contradict is not trusted; the weights' shape decides.
     config, _, info = adapt_checkpoint(training_checkpoint(sd, SimpleNamespace(model="deit_base_patch16_224")))
     assert (config.num_heads, info["heads_from"], info["preset"]) == (3, "preset", "deit_tiny")
 
 
-def test_heads_from_preset_width() -> None:
-    sd = make_state_dict(embed=384, depth=1, img=32, patch=16)
+def test_heads_from_preset_shape() -> None:
+    sd = make_state_dict(embed=384, depth=12, img=32, patch=16, lazy=True)
     config, _, info = adapt_checkpoint(sd)
     assert (config.num_heads, config.ln_eps, info["heads_from"], info["preset"]) == (6, 1e-6, "preset", "deit_small")
+    assert (info["ln_eps_from"], info["qk_scale_from"], config.qk_scale) == ("preset", "default", None)
     config, _, info = adapt_checkpoint(sd, preset="deit_small")
     assert (config.num_heads, info["heads_from"], info["preset"]) == (6, "flag", "deit_small")
     with pytest.raises(CheckpointError, match="192 wide"):
         adapt_checkpoint(sd, preset="deit_tiny")
+
+
+def test_width_alone_is_not_a_preset() -> None:
+    """384 wide but 6 deep: not deit_small, whose heads and eps would be a guess (issue 26)."""
+    sd = make_state_dict(embed=384, depth=6, img=32, patch=16, lazy=True)
+    with pytest.raises(CheckpointError, match=r"384-wide DeiT of depth 6.*deit_small is depth 12.*--num-heads"):
+        adapt_checkpoint(sd)
+    # Nor the MLP ratio: 768 wide, depth 12, ratio 3 is neither deit_base nor vit_small.
+    with pytest.raises(CheckpointError, match=r"MLP ratio 3.*deit_base is depth 12, MLP ratio 4"):
+        adapt_checkpoint(make_state_dict(embed=768, depth=12, hidden=2304, img=32, patch=16, lazy=True))
+    with pytest.raises(CheckpointError, match=r"LayerNorm eps.*--ln-eps"):
+        adapt_checkpoint(sd, num_heads=6)  # heads alone do not tell the eps
+    config, _, info = adapt_checkpoint(sd, num_heads=8, ln_eps=1e-5)
+    assert (config.num_heads, config.ln_eps, info["preset"]) == (8, 1e-5, None)
+    config, _, info = adapt_checkpoint(sd, preset="deit_small")  # the user's word for a shallower deit_small
+    assert (config.num_heads, config.ln_eps, config.depth) == (6, 1e-6, 6)
+    # An explicit --preset beats the saved args; the args beat a preset only the shape names.
+    ckpt = training_checkpoint(sd, {"num_heads": 4, "ln_eps": 1e-5})
+    config, _, info = adapt_checkpoint(ckpt, preset="deit_small")
+    assert (config.num_heads, config.ln_eps, info["heads_from"], info["ln_eps_from"]) == (6, 1e-6, "flag", "flag")
+    config, _, info = adapt_checkpoint(training_checkpoint(make_state_dict(embed=384, depth=12, img=32, patch=16,
+                                                                           lazy=True), {"num_heads": 4}))
+    assert (config.num_heads, config.ln_eps, info["heads_from"], info["ln_eps_from"]) == (4, 1e-6, "args", "preset")
+
+
+# timm 0.3's vit_small_patch16_224, as the official file defines it: 768 wide, depth 8, 8 heads, MLP ratio 3,
+# no qkv bias, nn.LayerNorm (eps 1e-5); qk_scale 768**-0.5 only when built for timm's pretrained weights.
+VIT_SMALL = dict(embed=768, depth=8, hidden=2304, img=224, patch=16, classes=1000, lazy=True)
+
+
+def test_vit_small_is_not_deit_base() -> None:
+    sd = make_state_dict(**VIT_SMALL)
+    with pytest.raises(CheckpointError, match=r"attention scale of a vit_small_patch16_224.*0\.0360844.*--qk-scale"):
+        adapt_checkpoint(sd)  # a raw state dict: timm's pretrained weights or a pretrained=False run
+    config, _, info = adapt_checkpoint(sd, qk_scale=768**-0.5)
+    assert (config.num_heads, config.ln_eps, config.mlp_ratio, config.qk_scale) == (8, 1e-5, 3.0, 768**-0.5)
+    assert (info["preset"], info["heads_from"], info["ln_eps_from"], info["qk_scale_from"]) == (
+        "vit_small_patch16_224", "preset", "preset", "flag")
+    # DeiT's main.py builds every model with pretrained=False: head_dim**-0.5, known from the saved args.
+    config, _, info = adapt_checkpoint(training_checkpoint(sd, {"model": "vit_small_patch16_224"}))
+    assert (config.num_heads, config.ln_eps, config.qk_scale, info["heads_from"]) == (8, 1e-5, None, "args")
+    # The same weights under deit_base's settings are what the loader used to build; a flag still can.
+    config, _, _ = adapt_checkpoint(sd, num_heads=12, ln_eps=1e-6, qk_scale=96**-0.5)
+    assert (config.num_heads, config.ln_eps) == (12, 1e-6)
+
+
+@pytest.mark.parametrize(("name", "embed", "depth", "heads", "eps", "bias"), [
+    ("vit_base_patch16_224", 768, 12, 12, 1e-6, True),  # deit_base's settings
+    ("vit_large_patch16_224", 1024, 24, 16, 1e-6, True),
+    ("vit_huge_patch16_224", 1280, 32, 16, 1e-5, False),
+])
+def test_official_vit_variants(name: str, embed: int, depth: int, heads: int, eps: float, bias: bool) -> None:
+    sd = make_state_dict(embed=embed, depth=depth, img=224, patch=16, qkv_bias=bias, lazy=True)
+    for obj in (sd, training_checkpoint(sd, {"model": name})):
+        config, _, _ = adapt_checkpoint(obj)
+        assert (config.num_heads, config.ln_eps, config.qk_scale, config.qkv_bias) == (heads, eps, None, bias)
+
+
+def test_attention_scale_and_eps_reach_the_model() -> None:
+    sd = make_state_dict()
+    model, config, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-5, qk_scale=0.05)
+    assert (config.qk_scale, config.ln_eps) == (0.05, 1e-5)
+    x = images()
+    assert max_diff(model, sd, x, heads=3, eps=1e-5, scale=0.05) <= 1e-5
+    default, _, _ = build_from_checkpoint(sd, num_heads=3, ln_eps=1e-5)
+    with torch.no_grad():
+        assert (model(x) - default(x)).abs().max().item() > 1e-2  # the scale matters at these weights
+    assert DeiTConfig.from_dict(config.to_dict()) == config and "qk_scale" not in default.config.to_dict()
+    with pytest.raises(CheckpointError, match="qk_scale -1"):
+        adapt_checkpoint(sd, num_heads=3, ln_eps=1e-6, qk_scale=-1)
+
+
+def test_hybrid_refused_by_name() -> None:
+    sd = make_state_dict()
+    sd["patch_embed.backbone.conv1.weight"] = torch.zeros(8, 3, 7, 7)
+    with pytest.raises(CheckpointError, match=r"hybrid ViT \(a ResNet backbone in patch_embed\.backbone.*not supp"):
+        adapt_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 def test_deit_tiny_preset_round_trip() -> None:
@@ -358,7 +441,7 @@ def test_missing_heads_is_an_error() -> None:
     with pytest.raises(CheckpointError, match="num_heads"):
         adapt_checkpoint(training_checkpoint(make_state_dict(), {"model": "deit_custom"}))
     with pytest.raises(CheckpointError, match="does not divide"):
-        adapt_checkpoint(make_state_dict(), num_heads=5)
+        adapt_checkpoint(make_state_dict(), num_heads=5, ln_eps=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,25 +452,25 @@ def test_missing_key() -> None:
     sd = make_state_dict()
     del sd["blocks.1.mlp.fc2.bias"]
     with pytest.raises(CheckpointError, match=r"missing key blocks\.1\.mlp\.fc2\.bias .*\(48,\)"):
-        build_from_checkpoint(sd, num_heads=3)
+        build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 def test_unexpected_key() -> None:
     sd = make_state_dict()
     sd["blocks.0.attn.temperature"] = torch.ones(5)
     with pytest.raises(CheckpointError, match=r"unexpected key blocks\.0\.attn\.temperature with shape \(5,\)"):
-        build_from_checkpoint(sd, num_heads=3)
+        build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 def test_wrong_shape() -> None:
     sd = make_state_dict()
     sd["blocks.1.attn.proj.weight"] = torch.zeros(48, 40)
     with pytest.raises(CheckpointError, match=r"blocks\.1\.attn\.proj\.weight has shape \(48, 40\).*\(48, 48\)"):
-        build_from_checkpoint(sd, num_heads=3)
+        build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
     sd = make_state_dict()
     sd["ts"] = torch.zeros(2)
     with pytest.raises(CheckpointError, match=r"key ts has shape \(2,\).*\(4,\)"):
-        build_from_checkpoint(sd, num_heads=3)
+        build_from_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -403,29 +486,30 @@ def test_wrong_shape() -> None:
 )
 def test_not_a_deit(obj: object) -> None:
     with pytest.raises(CheckpointError, match="not a DeiT"):
-        adapt_checkpoint(obj, num_heads=3)
+        adapt_checkpoint(obj, num_heads=3, ln_eps=1e-6)
 
 
 def test_distilled_rejected() -> None:
     sd = make_state_dict(cls_token=True, mm_attn=False, mm_out=False)
     sd["dist_token"] = torch.zeros(1, 1, 48)
     with pytest.raises(CheckpointError, match=r"distilled DeiT .* not supported"):
-        adapt_checkpoint(sd, num_heads=3)
+        adapt_checkpoint(sd, num_heads=3, ln_eps=1e-6)
 
 
 def test_orig_mod_prefix_stripped() -> None:
     sd = make_state_dict()
     ckpt = {"model": {"module._orig_mod." + k: v for k, v in sd.items()}, "epoch": 7}
-    model, _, info = build_from_checkpoint(ckpt, num_heads=3)
+    model, _, info = build_from_checkpoint(ckpt, num_heads=3, ln_eps=1e-6)
     assert info["epoch"] == 7
-    _, clean, _ = adapt_checkpoint({"_orig_mod." + k: v for k, v in sd.items()}, num_heads=3)
+    _, clean, _ = adapt_checkpoint({"_orig_mod." + k: v for k, v in sd.items()}, num_heads=3, ln_eps=1e-6)
     assert clean.keys() == sd.keys()
     assert max_diff(model, sd, images(), heads=3) <= 1e-5
 
 
 def test_model_ema() -> None:
     sd, ema = make_state_dict(seed=0), make_state_dict(seed=9)
-    ckpt = training_checkpoint(sd, {"num_heads": 3}, model_ema={"module." + k: v for k, v in ema.items()})
+    args = {"num_heads": 3, "ln_eps": 1e-6}
+    ckpt = training_checkpoint(sd, args, model_ema={"module." + k: v for k, v in ema.items()})
     x = images()
     model, _, info = build_from_checkpoint(ckpt, use_ema=True)
     assert info["source_keys"] == "model_ema"
@@ -433,7 +517,7 @@ def test_model_ema() -> None:
     _, _, info = build_from_checkpoint(ckpt)
     assert info["source_keys"] == "model"
     with pytest.raises(CheckpointError, match="model_ema"):
-        adapt_checkpoint(training_checkpoint(sd, {"num_heads": 3}), use_ema=True)
+        adapt_checkpoint(training_checkpoint(sd, {"num_heads": 3, "ln_eps": 1e-6}), use_ema=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +533,9 @@ def test_config_presets_and_dicts() -> None:
         "deit_tiny": 3,
         "deit_small": 6,
         "deit_base": 12,
+        "vit_small_patch16_224": 8,
+        "vit_large_patch16_224": 16,
+        "vit_huge_patch16_224": 16,
     }
     with pytest.raises(ValueError, match="deit_tiny, deit_small, deit_base"):
         DeiTConfig.from_preset("deit_huge")
