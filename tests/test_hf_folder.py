@@ -279,6 +279,25 @@ def test_greedy_text_equals_transformers(arch: str, loaded: dict) -> None:
     assert [tok.decode(o) for o in ours] == [tok.decode(o) for o in theirs]
 
 
+def test_sampling_stops_and_eos(loaded: dict) -> None:
+    """models.generate's sampling, stop sequences (decoded by the folder's tokenizer) and several eos ids."""
+    model, info, _ = loaded["qwen3"]
+    tok = info.tokenizer
+    prompt = tok.encode("The quick brown fox")
+    first = generate(model, prompt, 24, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    assert first == generate(model, prompt, 24, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    assert first != generate(model, prompt, 24, temperature=0.9, top_k=50, top_p=0.95, seed=8)
+    assert all(0 <= t < model.config.vocab_size for t in first[0])
+    greedy = generate(model, prompt, 32, temperature=0)[0]
+    # stop at the text of the greedy output's tokens 3..5: the output ends right before it
+    stop = tok.decode(greedy[3:6])
+    cut = generate(model, prompt, 32, temperature=0, stop=[stop], tokenizer=tok)[0]
+    assert stop not in tok.decode(cut) and tok.decode(greedy).startswith(tok.decode(cut))
+    assert len(cut) <= 6
+    # an eos id ends the row (several may be given, as generation_config.json allows)
+    assert generate(model, prompt, 32, temperature=0, eos_id=[999, greedy[4]])[0] == greedy[:greedy.index(greedy[4])]
+
+
 def test_seglu_changes_the_model(loaded: dict) -> None:
     """The tensors transformers drops make a different model: its plain logits differ from ours."""
     model, _, ref = loaded["qwen2"]
@@ -411,6 +430,20 @@ def test_info_describes_folder(hf_folders: dict[str, Path], capsys: pytest.Captu
     d = json.loads(capsys.readouterr().out)
     assert d["architecture"] == "Qwen2ForCausalLM" and d["multimax"]["config_modules"] == ["lm_head"]
     assert d["options"]["tied_embeddings"] and d["tokenizer"]["eos_ids"] == [1]
+
+
+def test_readme_info_block_is_what_info_prints(hf_folders: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """README's `python -m models info tiny-qwen3` block (not run by tests/test_readme.py: it needs a folder
+    that only transformers makes) is this fixture's output, line for line."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("$ python -m models info tiny-qwen3\n", 1)[1].split("\n$ ", 1)[0].splitlines()
+    folder = Path(shutil.copytree(hf_folders["qwen3"], tmp_path / "tiny-qwen3"))
+    assert main(["info", str(folder)]) == 0
+    assert capsys.readouterr().out.splitlines() == block
+    (folder / "tokenizer.json").unlink()
+    err = run_info(folder, capsys)
+    assert err.replace(str(tmp_path) + "/", "") in readme
 
 
 def test_missing_tokenizer(hf_folders: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
