@@ -249,7 +249,9 @@ def _normalise_names(tensors: dict[str, Tensor], origin: dict[str, Path]) -> Non
 def _multimax_placement(tensors: Mapping[str, Tensor], hf: Mapping[str, Any], config: LlamaConfig,
                         folder: Path) -> tuple[bool, list[int]]:
     output = any(k.startswith("lm_head.multimax_") for k in tensors)
-    layers = sorted({int(m.group(1)) for k in tensors if (m := _HF_ATTN_MULTIMAX.match(k))})
+    # a layer beyond num_hidden_layers is left to the key check, which names it as an unexpected tensor
+    found = {int(m.group(1)) for k in tensors if (m := _HF_ATTN_MULTIMAX.match(k))}
+    layers = sorted(i for i in found if i < config.n_layer)
     modules = hf.get("multimax_modules")
     if modules is None:
         return output, layers
