@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .checkpoint import read_file
 from .hf_tokenizer import HFTokenizer, read_json
-from .llama import FLAVORS, ROPE_TYPES, Llama, LlamaConfig, rope_frequencies
+from .llama import FLAVORS, ROPE_TYPES, Llama, LlamaConfig, hf_name, rope_frequencies
 from .loading import CheckpointError
 from .multimax import Modulation
 
@@ -38,39 +38,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
 }
 
-# own parameter name (models.llama) <-> Hugging Face tensor name, per layer and at the top
-_LAYER_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention.multimax.ranges": "self_attn.multimax_ranges",
-    "attention.multimax.ts": "self_attn.multimax_ts",
-    **{f"attention.{own}.{p}": f"self_attn.{hf}.{p}" for own, hf in
-       (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")) for p in ("weight", "bias")},
-    **{f"feed_forward.{own}.{p}": f"mlp.{hf}.{p}" for own, hf in
-       (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")) for p in ("weight", "bias")},
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "output_multimax.ranges": "lm_head.multimax_ranges",
-    "output_multimax.ts": "lm_head.multimax_ts",
-}
-_OWN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_ATTN_MULTIMAX = re.compile(r"^model\.layers\.(\d+)\.self_attn\.multimax_(ranges|ts)$")
 # derived buffers some older exports saved; recomputed from the config, so reading them drops nothing
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _MTP_HEAD = "model.lm_head.multimax_"  # PaddleFleet's name when the head is shared with MTP heads
-
-
-def hf_name(own: str) -> str:
-    """The Hugging Face tensor name of a `models.llama.Llama` parameter."""
-    m = _OWN_LAYER.match(own)
-    if m:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return _TOP_NAMES[own]
 
 
 def is_model_folder(path: str | Path) -> bool:

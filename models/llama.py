@@ -7,14 +7,16 @@ untied embeddings, and the RoPE scaling (`rope_scaling`: default, linear, llama3
 MultiMax sits where the weights put it: on the LM-head logits (PaddleFleet's SegLU, `output_multimax`) and/or
 on the attention scores of some layers (`multimax_layers`): modulate the scaled scores, then add the mask, then
 softmax (models.multimax.attention_probs). The forward has the signature of `models.gpt.GPT.forward` and the
-same explicit KV cache (a list of per-layer (key, value), here with `n_local_heads` heads), so the exporter,
-the server and `models.generate.generate` drive either model. The Hugging Face folder layout is read by
-`models.hf_folder`; the parameter names here are the project's own (`hf_folder.hf_name` maps them).
+same explicit KV cache (a list of per-layer (key, value), here with `n_local_heads` heads: code that builds
+a past for it must use those, not `n_head`); `models.generate.generate` drives either model. The Hugging Face
+folder layout is read by `models.hf_folder`; the parameter names here are the project's own, and `hf_name` (the
+load hook, below) maps each to its Hugging Face tensor name.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, cast
@@ -401,3 +403,37 @@ def set_paper_params(model: Llama, table: tuple[tuple[float, ...], ...] = PAPER_
             block.attention.multimax.set_params(*paper_params(i, table))
     if model.output_multimax is not None:
         model.output_multimax.set_params(*paper_params(len(table) - 1, table))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Load hook for the Hugging Face layout (the folder itself is read by models.hf_folder).
+
+# own parameter name (models.llama) <-> Hugging Face tensor name, per layer and at the top
+_LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention.multimax.ranges": "self_attn.multimax_ranges",
+    "attention.multimax.ts": "self_attn.multimax_ts",
+    **{f"attention.{own}.{p}": f"self_attn.{hf}.{p}" for own, hf in
+       (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")) for p in ("weight", "bias")},
+    **{f"feed_forward.{own}.{p}": f"mlp.{hf}.{p}" for own, hf in
+       (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")) for p in ("weight", "bias")},
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "output_multimax.ranges": "lm_head.multimax_ranges",
+    "output_multimax.ts": "lm_head.multimax_ts",
+}
+_OWN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_name(own: str) -> str:
+    """The Hugging Face tensor name of a `models.llama.Llama` parameter."""
+    m = _OWN_LAYER.match(own)
+    if m:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return _TOP_NAMES[own]

@@ -25,8 +25,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noq
 
 from models.cli import main  # noqa: E402
 from models.generate import generate  # noqa: E402
-from models.hf_folder import hf_name, load_folder  # noqa: E402
-from models.llama import Llama, LlamaConfig, rope_frequencies  # noqa: E402
+from models.hf_folder import load_folder  # noqa: E402
+from models.llama import Llama, LlamaConfig, hf_name, rope_frequencies  # noqa: E402
 from models.loading import CheckpointError  # noqa: E402
 from models.multimax import PAPER_TABLE_8, paper_row_to_params  # noqa: E402
 
