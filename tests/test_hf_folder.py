@@ -491,6 +491,31 @@ def last_shard(folder: Path) -> Path:
     return folder / sorted(set(index["weight_map"].values()))[-1]
 
 
+def test_bad_tokenizer_and_generation_config(hf_folders: dict, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_of(hf_folders, "qwen3", tmp_path)
+    (folder / "generation_config.json").write_text("{not json")
+    assert "generation_config.json: not valid JSON" in run_info(folder, capsys)
+    (folder / "generation_config.json").unlink()
+    (folder / "tokenizer.json").write_text('{"model": 3}')
+    assert "tokenizer.json: not a tokenizers file" in run_info(folder, capsys)
+
+
+def test_entry_point_exit_code(hf_folders: dict, tmp_path: Path) -> None:
+    """The real command: exit code 2 and one line on stderr, no traceback."""
+    import subprocess
+    import sys
+
+    folder = copy_of(hf_folders, "llama", tmp_path)
+    edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "models", "info", str(folder)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"error: {folder}/config.json: unsupported rope_scaling type 'longrope' "
+                                   "(supported: default, linear, llama3, yarn)")
+
+
 def test_truncated_shard(hf_folders: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = copy_of(hf_folders, "qwen2", tmp_path)
     shard = last_shard(folder)
