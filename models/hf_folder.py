@@ -66,6 +66,16 @@ class HFFolder:
 # ---------------------------------------------------------------------------------------------------
 # config.json
 
+# the RoPE parameters each type honours (besides rope_type and rope_theta)
+_ROPE_KEYS: dict[str, set[str]] = {
+    "default": {"partial_rotary_factor"},
+    "linear": {"factor", "partial_rotary_factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+               "partial_rotary_factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate", "partial_rotary_factor"},
+}
+
 def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, scaling dict or None) from transformers 5's rope_parameters or 4's rope_theta/rope_scaling."""
     params = hf.get("rope_parameters")
@@ -82,6 +92,10 @@ def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | N
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"{source}: unsupported rope_scaling type {rope_type!r} "
                               f"(supported: {', '.join(ROPE_TYPES)})")
+    unknown = sorted(set(params) - _ROPE_KEYS[rope_type])
+    if unknown:  # a parameter this implementation would not honour changes the model: refuse it
+        raise CheckpointError(f"{source}: unsupported {rope_type} RoPE parameter(s) {', '.join(unknown)} "
+                              f"(supported: {', '.join(sorted(_ROPE_KEYS[rope_type])) or 'none'})")
     if rope_type == "default":
         return theta, None
     if rope_type in ("llama3", "yarn"):
@@ -107,6 +121,10 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
     types = set(hf.get("layer_types") or ["full_attention"])
     if hf.get("use_sliding_window") or types != {"full_attention"}:
         raise CheckpointError(f"{source}: unsupported sliding-window attention (supported: full attention only)")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise CheckpointError(f"{source}: unsupported quantization_config ({method or 'quantised weights'}; "
+                              "supported: unquantised float32/bfloat16/float16 weights)")
     if int(hf.get("pretraining_tp") or 1) != 1:
         raise CheckpointError(f"{source}: unsupported pretraining_tp {hf['pretraining_tp']} (supported: 1)")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):

@@ -610,3 +610,9 @@ def test_unsupported_options_are_refused(hf_folders: dict, tmp_path: Path,
     assert "unsupported hidden_act 'gelu' (supported: silu)" in run_info(folder, capsys)
     edit_config(folder, hidden_act="silu", architectures=["Qwen2ForSequenceClassification"])
     assert "is not ['Qwen2ForCausalLM']" in run_info(folder, capsys)
+    edit_config(folder, architectures=["Qwen2ForCausalLM"], quantization_config={"quant_method": "gptq"})
+    assert "unsupported quantization_config (gptq;" in run_info(folder, capsys)
+    edit_config(folder, quantization_config=None,
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6, "short_factor": [1.0]})
+    assert "unsupported linear RoPE parameter(s) short_factor (supported: factor, partial_rotary_factor)" in run_info(
+        folder, capsys)
