@@ -20,7 +20,8 @@ import torch
 
 from models import checkpoint as ckpt_io
 from models import deit, registry
-from models.describe import describe, format_text
+from models.describe import describe, describe_folder, format_folder_text, format_text
+from models.hf_folder import is_model_folder, load_folder
 from models.labels import read_labels
 from models.loading import CheckpointError
 from models.multimax import VARIANTS
@@ -117,6 +118,11 @@ def load_hints(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if is_model_folder(args.checkpoint):  # a Hugging Face ForCausalLM folder (Llama, Qwen2, Qwen3)
+        llm, folder = load_folder(args.checkpoint)
+        d = describe_folder(llm, folder)
+        print(json.dumps(d, indent=2, default=str) if args.json else format_folder_text(d))
+        return 0
     model, ckpt, info = ckpt_io.load(args.checkpoint, **load_hints(args))
     d = describe(model, ckpt, info)
     print(json.dumps(d, indent=2, default=str) if args.json else format_text(d))
@@ -159,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("info", help="print what the loader inferred from a checkpoint")
-    p.add_argument("checkpoint")
+    p = sub.add_parser("info", help="print what the loader inferred from a checkpoint or a Hugging Face model folder")
+    p.add_argument("checkpoint", help="a checkpoint file, or a folder with config.json, weights and tokenizer.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_load_hints(p)
     p.set_defaults(func=cmd_info)

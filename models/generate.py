@@ -16,14 +16,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
 
-from models.gpt import GPT, KVCache
+from models.gpt import GPT, KVCache, PastKeyValues
+from models.llama import Llama
 from models.output_function import log_probabilities
 from models.tokenizer import ByteTokenizer
+
+
+class Detokenizer(Protocol):
+    """What stop sequences need of a tokenizer (models.tokenizer.ByteTokenizer, models.hf_tokenizer.HFTokenizer)."""
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
 
 def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
@@ -81,7 +88,7 @@ def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
     return [s for s in out if s]
 
 
-def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: ByteTokenizer) -> int | None:
+def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detokenizer) -> int | None:
     """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None."""
     if not stops:
         return None
@@ -109,9 +116,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
+def _empty_past(model: GPT | Llama, batch_size: int) -> tuple[PastKeyValues, torch.device]:
+    """A zero-length cache for `model` and the device it runs on."""
+    if isinstance(model, Llama):
+        return model.empty_past(batch_size), model.tok_embeddings.weight.device
+    weight = model.wte.weight
+    return KVCache.empty(model.config, batch_size, weight.dtype, weight.device).layers, weight.device
+
+
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: GPT | Llama,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -119,12 +134,13 @@ def generate(
     top_p: float | None = None,
     stop: Sequence[str] | Sequence[bytes] | None = None,
     seed: int | None = None,
-    eos_id: int | None = None,
-    tokenizer: ByteTokenizer | None = None,
+    eos_id: int | Sequence[int] | None = None,
+    tokenizer: Detokenizer | None = None,
 ) -> list[list[int]]:
     """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
 
-    A row ends at `eos_id` (not returned), at a stop sequence (removed from the output), after
+    `model` is a GPT or a Llama (models.llama: Llama, Qwen2, Qwen3 folders). A row ends at an `eos_id` (one id
+    or several; not returned), at a stop sequence (removed from the output), after
     max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
     leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
     """
@@ -145,10 +161,11 @@ def generate(
 
     stops = stop_bytes(stop)
     tokenizer = tokenizer or ByteTokenizer()
-    device, dtype = model.wte.weight.device, model.wte.weight.dtype
+    eos_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    past, device = _empty_past(model, len(prompts))
+    cache = KVCache(past)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     input_ids, attention_mask = left_pad(prompts, pad_id=0, device=device)  # pad id is masked, any id works
-    cache = KVCache.empty(cfg, len(prompts), dtype, device)
     done = [False] * len(prompts)
 
     was_training = model.training
@@ -160,7 +177,7 @@ def generate(
             for row, tok in enumerate(next_ids.tolist()):
                 if done[row]:
                     continue
-                if eos_id is not None and tok == eos_id:
+                if tok in eos_ids:
                     done[row] = True
                     continue
                 outputs[row].append(tok)

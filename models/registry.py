@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from models import deit, gpt
+from models import deit, gpt, llama
 from models.tokenizer import ByteTokenizer
 
 Task = Literal["vision", "text"]
@@ -126,4 +126,12 @@ register(Architecture(
     new_checkpoint_fields=lambda: {"tokenizer": ByteTokenizer().to_dict()},
     size_fields=(("n_embd", "n_embd"), ("n_layer", "n_layer"), ("n_head", "n_head"),
                  ("block_size", "block_size"), ("vocab_size", "vocab_size")),
+))
+# Llama / Qwen2 / Qwen3 (one model, switched by its config); Hugging Face folders are read by models.hf_folder,
+# which is not a checkpoint dict, so no `detect` here.
+register(Architecture(
+    "llama", TEXT, llama.LlamaConfig, llama.Llama, llama.LLAMA_PRESETS, "n_layer", llama.set_paper_params,
+    size_fields=(("dim", "dim"), ("n_layer", "n_layer"), ("n_head", "n_head"), ("n_local_heads", "n_local_heads"),
+                 ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"), ("block_size", "block_size"),
+                 ("vocab_size", "vocab_size")),
 ))
