@@ -109,5 +109,5 @@ def genai_line(genai: dict) -> str:
     runs = [f"{name.replace('_', ' ')} {genai[name]['identical']}/{genai['prompts']}"
             for name in ("library", "function_bodies") if name in genai]
     tok = genai["tokenizer"]
-    return (f"onnxruntime-genai {genai['version']}: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); "
+    return (f"onnxruntime-genai: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); "
             f"tokenizer {tok['identical']}/{tok['texts']} texts identical")
