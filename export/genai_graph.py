@@ -49,7 +49,7 @@ def _multimax_attrs(mod: Modulation, scale: float, n_head: int) -> ExportAttrs:
     if mod.order == 1:
         ts = [*ts[:2], 0.0, 0.0]
     if mod.affine:  # V2's t*x + b folded in: t into the scale, b into the thresholds (softmax drops the shift)
-        t, b = float(mod.t), float(mod.b)
+        t, b = float(mod.t.detach()), float(mod.b.detach())
         scale, ranges = scale * t, [r - b for r in ranges]
     return {"num_heads": n_head, "scale": scale, "ranges": ranges, "ts": ts, "order": mod.order,
             **plugin_attrs(ATTENTION_OP)}
