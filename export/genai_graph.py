@@ -37,6 +37,9 @@ MULTIMAX_ATTENTION = f"{contract.ONNX_DOMAIN}::{ATTENTION_OP}"
 def attention_kind(model: GPT) -> str:
     """"softmax" or "multimax": the attentions this export has a shared-buffer node for (else ExportError)."""
     cfg = model.config
+    if cfg.output_function:  # onnxruntime-genai samples from softmax(logits): another distribution would be lost
+        raise ExportError(f"the onnxruntime-genai folder export serves softmax (or MultiMax) outputs, not "
+                          f"{cfg.output_function!r}; export it to a single .onnx file instead")
     if cfg.attention_function:
         raise ExportError(f"the onnxruntime-genai folder export supports softmax and MultiMax attention, not "
                           f"{cfg.attention_function!r}; export it to a single .onnx file instead")

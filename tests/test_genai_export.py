@@ -102,19 +102,25 @@ def test_genai_greedy_equals_pytorch_with_and_without_the_library(demo_folder: t
     assert in_place.value - before == len(prompts) * 24 * 4
 
 
-def test_genai_batch_greedy_equals_pytorch(demo_folder: tuple[Path, str]) -> None:
-    folder, _ = demo_folder
-    model = demo_model()
-    prompts = [ByteTokenizer().encode(t) for t in ("abcd", "wxyz", "1234")]  # one length: genai pads nothing
-    refs = generate(model, prompts, 16, temperature=0)
-    genai = og.Model(str(folder))
-    params = og.GeneratorParams(genai)
-    params.set_search_options(max_length=4 + 16, do_sample=False, batch_size=3)
-    generator = og.Generator(genai, params)
-    generator.append_tokens(np.array(prompts, dtype=np.int32))
+def genai_batch(folder: Path, texts: list[str], tokens: int) -> list[list[int]]:
+    """Greedy new tokens for prompts of different lengths in one onnxruntime-genai batch (it pads them)."""
+    model = og.Model(str(folder))
+    batch = og.Tokenizer(model).encode_batch(texts)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=batch.shape()[1] + tokens, do_sample=False, batch_size=len(texts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(batch)
     while not generator.is_done():
         generator.generate_next_token()
-    assert [list(generator.get_sequence(i))[4:] for i in range(3)] == refs
+    return [[int(t) for t in generator.get_sequence(i)[-tokens:]] for i in range(len(texts))]
+
+
+BATCH_TEXTS = ["The quick brown fox", "abc", "hello there"]
+
+
+def test_genai_batch_of_different_lengths_equals_pytorch(demo_folder: tuple[Path, str]) -> None:
+    prompts = [ByteTokenizer().encode(t) for t in BATCH_TEXTS]
+    assert genai_batch(demo_folder[0], BATCH_TEXTS, 16) == generate(demo_model(), prompts, 16, temperature=0)
 
 
 TEXTS = ["", "a", "hello world", " leading and trailing ", "tabs\tand\nnewlines\r\n", "Grüße aus Köln", "ça va? où?",
@@ -160,6 +166,8 @@ def test_softmax_model_uses_group_query_attention_and_no_library(tmp_path: Path,
     assert {n.op_type for n in proto.graph.node if n.domain} == {"GroupQueryAttention"}
     prompt = ByteTokenizer().encode("softmax")
     assert genai_greedy(tmp_path / "soft", [prompt], 20) == [generate(model, prompt, 20, temperature=0)[0]]
+    prompts = [ByteTokenizer().encode(t) for t in BATCH_TEXTS]
+    assert genai_batch(tmp_path / "soft", BATCH_TEXTS, 16) == generate(model, prompts, 16, temperature=0)
 
 
 def test_v2_multimax_folds_into_the_attention_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -211,3 +219,29 @@ def test_bad_folder_targets_exit_2_and_write_nothing(case: str, tmp_path: Path,
     if case in ("existing file", "foreign folder"):
         kept = target if case == "existing file" else target / "notes.txt"
         assert kept.read_text() == "keep me"
+
+
+def test_fused_attention_refuses_a_cache_that_is_neither_the_past_nor_a_buffer(demo_folder: tuple[Path, str]) -> None:
+    if not ort_ops.library().available:
+        pytest.skip(f"fused library unavailable: {ort_ops.library().reason}")
+    import onnxruntime as ort
+
+    from export.fused_check import cpu_session
+    from models.onnx_contract import text_feeds
+
+    session = cpu_session(demo_folder[0] / MODEL_FILE)
+    past = np.zeros((1, 4, 7, 32), np.float32)  # 5 cached + 4 new = 9: 7 positions fit neither way
+    feed = text_feeds(np.zeros((1, 4), np.int64), np.ones((1, 9), np.int64), np.arange(5, 9)[None], [(past, past)] * 4)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match="past_key holds 7 positions: either the past \\(5\\) or a buffer of at least the total"):
+        session.run(None, feed)
+
+
+@pytest.mark.parametrize("function", [{"attention_function": "sparsemax"}, {"output_function": "entmax15"}])
+def test_other_reweighting_functions_are_refused_for_the_folder(function: dict, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    config = GPTConfig.from_preset("gpt-nano", **function)
+    ckpt = save_checkpoint(Checkpoint("gpt", config.to_dict(), GPT(config).state_dict(),
+                                      tokenizer=ByteTokenizer().to_dict()), tmp_path / "f.pt")
+    code, _, err = export([str(ckpt), "-o", str(tmp_path / "f")], capsys)
+    assert code == 2 and "single .onnx file" in err and not (tmp_path / "f").exists()
