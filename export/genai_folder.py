@@ -101,7 +101,7 @@ def genai_config(cfg: GPTConfig, tok: ByteTokenizer, library: str | None) -> dic
             "no_repeat_ngram_size": 0,
             "diversity_penalty": 0.0,
             "temperature": 1.0,
-            "top_k": 1,
+            "top_k": cfg.vocab_size,  # no top-k filter when sampling, as models.generate by default
             "top_p": 1.0,
         },
     }
