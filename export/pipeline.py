@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from export.genai_folder import MODEL_FILE, REPORT_FILE, check_folder_target, is_folder_output, write_folder
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.precision import Precision
 from export.progress import Phases, exporter_stages
@@ -30,6 +31,7 @@ from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
 from models import registry
 from models.checkpoint import Checkpoint, load
+from models.gpt import GPT
 from models.labels import read_labels
 from models.onnx_contract import attention_function
 from plugins.trt_plugin import tensorrt_unavailable
@@ -42,7 +44,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 8)
 class ExportOptions:
     """How to export; the defaults are `python -m export CKPT`'s."""
 
-    output: Path | None = None  # None: <checkpoint stem>[.<precision>].onnx in the current directory
+    # None: <checkpoint stem>[.<precision>].onnx in the current directory; a name without .onnx: the
+    # onnxruntime-genai folder export of a text model (export.genai_folder)
+    output: Path | None = None
     opset: int = DEFAULT_OPSET
     inline: bool = False  # the flat elementwise graph instead of MultiMax nodes
     precision: Precision = "fp32"
@@ -111,6 +115,14 @@ def check_options(options: ExportOptions) -> None:
         raise ExportError(f"--threads must be >= 1, got {options.threads}")
     if options.precision not in TOLERANCES:
         raise ExportError(f"unknown precision {options.precision!r} (known: {', '.join(TOLERANCES)})")
+    if is_folder_output(options.output):
+        assert options.output is not None
+        asked = [flag for flag, on in (("--fp16/--int8", options.precision != "fp32"), ("--inline", options.inline),
+                                       ("--trt", options.trt)) if on]
+        if asked:
+            raise ExportError(f"{', '.join(asked)}: not available for the onnxruntime-genai folder export (fp32, "
+                              "fused nodes); name a .onnx file with -o for a single-file export")
+        check_folder_target(options.output)
     if options.trt:
         reason = tensorrt_unavailable()
         if reason:
@@ -136,22 +148,31 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     if options.labels is not None:
         attach_labels(ckpt, options.labels)
     suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
-    out = Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
-    if not out.parent.is_dir():
+    folder = options.output if options.output is not None and is_folder_output(options.output) else None
+    out = folder / MODEL_FILE if folder else Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
+    if not out.parent.is_dir() and not folder:
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
     if out.exists() and options.notify is not None:
         options.notify(f"replacing existing {out}")  # README flows re-export on purpose; a surprise otherwise
     task = export_task(ckpt.arch)
-    exporter = task.export
+    if folder and registry.task_of(ckpt.arch) != registry.TEXT:
+        raise ExportError(f"-o {folder}: the onnxruntime-genai folder export is for text models, {ckpt.arch} is not "
+                          "one; name a .onnx file")
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
-            exporter(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision, verbose=True)
+            if folder:
+                assert isinstance(model, GPT), f"a text export needs a GPT, got {type(model).__name__}"
+                write_folder(model, ckpt, folder, opset=options.opset, verbose=True)
+            else:
+                task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
+                            verbose=True)
         except OSError as exc:
-            raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+            raise ExportError(f"cannot write {folder or out}: {exc.strerror or exc}") from None
     report: dict[str, Any] = {
         "checkpoint": _named(ckpt_path, options.report_relative_to),
         "onnx": _named(out, options.report_relative_to),
+        **({"genai_folder": _named(folder, options.report_relative_to)} if folder else {}),
         "arch": ckpt.arch,
         "precision": precision,
         "multimax_places": [p for p in ("attention", "output") if ckpt.config.get(f"multimax_{p}")],
@@ -166,7 +187,15 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     if options.validate:
         start = time.perf_counter()
         tolerance = TOLERANCES[precision]
-        report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance, phases)
+        if folder:
+            from export.genai_validate import validate_genai_folder
+
+            assert isinstance(model, GPT)
+            report["validation"] = validate_genai_folder(model, folder, options.samples or 100, tolerance=tolerance,
+                                                         phases=phases)
+        else:
+            report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance,
+                                                 phases)
         report["validation_seconds"] = round(time.perf_counter() - start, 2)
     problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
     if options.trt and not problems:
@@ -177,7 +206,7 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     report["passed"] = not problems
     report["verdict"] = verdict(report)
     report["phase_seconds"] = {name: round(t, 2) for name, t in phases.times.items()}
-    report_path = out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
+    report_path = folder / REPORT_FILE if folder else out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return ExportReport(out, report_path, report, summary(report, report_path, phases))
 

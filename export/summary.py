@@ -49,8 +49,9 @@ def verdict(report: dict) -> str:
 
 def summary(report: dict, report_path: Path, phases: Phases) -> str:
     g = report["graph"]
+    wrote = f"the onnxruntime-genai folder {report['genai_folder']}" if "genai_folder" in report else report["onnx"]
     lines = [
-        f"wrote {report['onnx']} in {report['export_seconds']:.1f} s (opset {g['opset'].get('ai.onnx')}, "
+        f"wrote {wrote} in {report['export_seconds']:.1f} s (opset {g['opset'].get('ai.onnx')}, "
         f"{multimax_line(report)})",
     ]
     v = report.get("validation")
@@ -75,6 +76,8 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
             lines.append(
                 f"  greedy generation: {gen['identical']}/{gen['prompts']} identical over {gen['tokens']} tokens"
             )
+        if "genai" in v:
+            lines.append("  " + genai_line(v["genai"]))
         if "fused_ops" in v:
             lines.append("  " + fused_summary(v["fused_ops"]))
         shapes = export_task(report["arch"]).shapes(v)
@@ -97,3 +100,14 @@ def limits(tolerance: dict, arch: str) -> str:
     if tolerance["greedy_exact"] and export_task(arch).greedy_checked:
         parts.append("identical greedy text")
     return ", ".join([*parts, "no NaN"])
+
+
+def genai_line(genai: dict) -> str:
+    """The folder export's onnxruntime-genai check, one line."""
+    if not genai["checked"]:
+        return f"onnxruntime-genai: not checked, {genai['reason']}"
+    runs = [f"{name.replace('_', ' ')} {genai[name]['identical']}/{genai['prompts']}"
+            for name in ("library", "function_bodies") if name in genai]
+    tok = genai["tokenizer"]
+    return (f"onnxruntime-genai: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); "
+            f"tokenizer {tok['identical']}/{tok['texts']} texts identical")

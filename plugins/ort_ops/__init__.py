@@ -30,6 +30,8 @@ from models.onnx_contract import reweighting_op_types
 
 MULTIMAX_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 OPS = (*MULTIMAX_OPS, *reweighting_op_types())
+# The shared-cache decoder attention of the onnxruntime-genai folder export (plugins/onnx_attention.py)
+ATTENTION_OPS = ("MultiMaxAttention",)
 DOMAIN = "multimax"
 log = logging.getLogger(__name__)
 

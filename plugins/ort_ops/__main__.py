@@ -9,7 +9,7 @@ import sys
 
 import onnxruntime as ort
 
-from plugins.ort_ops import MULTIMAX_OPS, OPS, library
+from plugins.ort_ops import ATTENTION_OPS, MULTIMAX_OPS, OPS, library
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         "reason": lib.reason or None,
         "domain": "multimax",
         "ops": list(OPS) if lib.available else [],
+        "attention_ops": list(ATTENTION_OPS) if lib.available else [],
         "kernel_paths": list(lib.kernel_paths),
         "compiled_paths": list(lib.compiled_paths),
         "onnxruntime": ort.__version__,
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ops: multimax::{', multimax::'.join(MULTIMAX_OPS)} (float32, CPUExecutionProvider)")
         others = [op for op in OPS if op not in MULTIMAX_OPS and not op.endswith("NoMask")]
         print(f"reweighting ops: multimax::{'(NoMask), multimax::'.join(others)}(NoMask)")
+        print(f"attention op: multimax::{', multimax::'.join(ATTENTION_OPS)} (the onnxruntime-genai folder export's "
+              "decoder attention, writing into a shared cache)")
         print(
             f"kernel paths on this CPU: {', '.join(lib.kernel_paths)} (default: {lib.kernel_paths[0]}; "
             f"built: {', '.join(lib.compiled_paths)})"

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <tuple>
@@ -608,6 +609,8 @@ struct ReweightOps {
 const ReweightOps<0, 1, 2, 3, 4, 5, 6> g_reweight;
 static_assert(kReweightCount == 7, "one CustomOp per Fn");
 
+#include "attention.inc"
+
 }  // namespace
 }  // namespace multimax
 
@@ -627,7 +630,7 @@ MM_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, 
   g_api = api;
   OrtCustomOpDomain* domain = nullptr;
   MM_RETURN_IF_ERROR(api->CreateCustomOpDomain("multimax", &domain));
-  std::vector<const OrtCustomOp*> ops = {&g_masked, &g_nomask, &g_sigma};
+  std::vector<const OrtCustomOp*> ops = {&g_masked, &g_nomask, &g_sigma, &g_attention};
   for (const OrtCustomOp* op : g_reweight.all()) ops.push_back(op);
   for (const OrtCustomOp* op : ops) MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
   return api->AddCustomOpDomain(options, domain);

@@ -30,6 +30,10 @@ struct RowKernels {
   // y = the reweighting function `p.fn` of x (+ mask: entries with mask <= -1e4 are masked and get 0) over one
   // row; `scratch` holds n floats (candidates of the sort/selection). y may be x.
   void (*reweight_row)(const Reweight& p, const float* x, const float* mask, float* y, int64_t n, float* scratch);
+  // Attention: out[j] = scale * (q . k_j) over n rows of length d, `stride` apart.
+  void (*scaled_dots)(const float* q, const float* k, int64_t n, int64_t d, int64_t stride, float scale, float* out);
+  // out[0:d] = sum_j p[j] * v_j over n rows of length d, `stride` apart.
+  void (*weighted_sum)(const float* p, const float* v, int64_t n, int64_t d, int64_t stride, float* out);
 };
 
 #define MULTIMAX_DECLARE_ISA(ns) \

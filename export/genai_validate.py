@@ -1,0 +1,192 @@
+"""Validation of an onnxruntime-genai folder export (export.genai_folder) against PyTorch.
+
+1. Decoder calls in onnxruntime with shared cache buffers (longer than the context, filled with noise past
+   the cached tokens): logits and the written cache against PyTorch, the rest of the buffer untouched; both
+   optimisation levels with the fused ops, then the fused ops against the function bodies.
+2. onnxruntime-genai loads the folder as written and generates greedily: the tokens must equal
+   models.generate's; then again from a copy without the library (the function bodies).
+3. The folder's tokenizer, through onnxruntime-genai, against models.tokenizer on ASCII and non-ASCII text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from export.fused_check import compare_fused, cpu_session
+from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE
+from export.genai_graph import attention_kind
+from export.progress import Phases
+from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats, fused_atol
+from models.generate import generate
+from models.gpt import GPT
+from models.onnx_contract import text_feeds, text_io_names
+from models.tokenizer import ByteTokenizer
+
+TOKENIZER_TEXTS = (
+    "hello world", "  two  spaces\n\ttab\r\n", "Grüße, naïve café", "мир, Ελληνικά", "日本語のテキスト",
+    "emoji 🎉👍🏽 and ZWJ 👨‍👩‍👧", "mixed: a=1; b='x' # ~!@$%^&*()", "",
+)
+GENAI_PROMPTS = ("The quick brown fox", "Once upon a time", "1 + 1 =", "über", "a")
+
+
+def _case(model: GPT, rng: np.random.Generator, past_len: int, padding: bool) -> tuple[dict, list[np.ndarray], int]:
+    """A decoder call on a shared buffer: batch 1-8, `past_len` cached tokens, 1-8 new ones (GroupQueryAttention
+    takes several new tokens on a cache only at batch 1, and no left padding: `padding=False` keeps to that)."""
+    cfg = model.config
+    batch, new = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    if not padding and past_len and batch > 1:
+        new = 1
+    total = past_len + new
+    mask = torch.ones(batch, total, dtype=torch.long)
+    if padding:
+        for row in range(1, batch):
+            mask[row, : int(rng.integers(0, total))] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, total)))
+    with torch.no_grad():
+        past = [(torch.zeros(batch, cfg.n_head, 0, cfg.head_dim),) * 2 for _ in range(cfg.n_layer)]
+        if past_len:
+            _, past = model(ids[:, :past_len], positions[:, :past_len], mask[:, :past_len], past)
+        logits, presents = model(ids[:, past_len:], positions[:, past_len:], mask, past)
+    size = total + int(rng.integers(0, 9))  # the buffer: longer than the context, noise after the past
+    buffers = []
+    for k, v in past:
+        pair = []
+        for t in (k, v):
+            buf = rng.standard_normal((batch, cfg.n_head, size, cfg.head_dim)).astype(np.float32)
+            buf[:, :, :past_len] = t.numpy()
+            pair.append(buf)
+        buffers.append((pair[0], pair[1]))
+    feed = text_feeds(ids[:, past_len:].numpy(), mask.numpy(), positions[:, past_len:].contiguous().numpy(), buffers)
+    refs = [logits.numpy()] + [t.numpy() for kv in presents for t in kv]
+    return feed, refs, total
+
+
+def _decoder_calls(model: GPT, path: Path, samples: int, tolerance: Tolerance, phases: Phases,
+                   rng: np.random.Generator) -> tuple[dict[str, Any], list[str]]:
+    padding = attention_kind(model) == "multimax"
+    cases = []
+    with phases.phase("reference (PyTorch)", total=samples, unit="case") as bar:
+        for i in range(samples):
+            cases.append(_case(model, rng, 0 if i % 4 == 0 else int(rng.integers(1, 17)), padding))
+            bar.update()
+    _, names = text_io_names(model.config.n_layer)
+    past_names = [n for n in cases[0][0] if n.startswith("past_key_values.")]
+    report: dict[str, Any] = {"samples": samples, "batch_sizes": [1, 8], "past_lengths": [0, 16],
+                              "new_tokens": [1, 8], "left_padding": padding, "tolerance": asdict(tolerance)}
+    failures: list[str] = []
+    fused_outputs: list[list[np.ndarray]] = []
+    for level_name, level in LEVELS.items():
+        with phases.phase(f"onnxruntime {level_name}", total=samples, unit="case") as bar:
+            session = cpu_session(path, level)
+            diffs, rels, kv, nans, agree, rows, untouched = [], [], [], 0, 0, 0, True
+            for feed, refs, total in cases:
+                outs = session.run(names, feed)
+                if level_name == "ORT_ENABLE_ALL" and len(fused_outputs) < 8:
+                    fused_outputs.append(outs)
+                nans += sum(int(np.isnan(o).sum()) for o in outs)
+                diff = np.abs(outs[0] - refs[0])
+                diffs.append(diff.ravel())
+                rels.append((diff / np.maximum(np.abs(refs[0]), 1e-6)).ravel())
+                for out, ref, past in zip(outs[1:], refs[1:], (feed[n] for n in past_names), strict=True):
+                    kv.append(np.abs(out[:, :, :total] - ref).ravel())
+                    # MultiMaxAttention keeps the buffer after the total length (GroupQueryAttention need not)
+                    untouched &= not padding or bool(np.array_equal(out[:, :, total:], past[:, :, total:]))
+                agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
+                rows += refs[0].shape[0]
+                bar.update()
+        report[level_name] = _stats(diffs, rels) | {
+            "present_max_abs": float(np.concatenate(kv).max()), "next_token_agreement": agree / rows,
+            "nan_count": nans, **({"buffer_tail_untouched": untouched} if padding else {}),
+        }
+        failures += _failures(level_name, report[level_name], tolerance, "next_token_agreement")
+        if not untouched:
+            failures.append(f"{level_name}: the cache buffer changed after the total length")
+    with phases.phase("fused ops vs function bodies"):
+        feeds = [feed for feed, _, _ in cases[:8]]
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
+    return report, failures + report["fused_ops"]["failures"]
+
+
+def genai_greedy(folder: Path, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy tokens from onnxruntime-genai for each prompt (one generator per prompt)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    out = []
+    for prompt in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([prompt])
+        new: list[int] = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            new.append(int(generator.get_next_tokens()[0]))
+        out.append(new)
+    return out
+
+
+def without_library(folder: Path, into: Path) -> Path:
+    """A copy of the folder whose config names no custom-op library (onnxruntime runs the function bodies)."""
+    copy = into / folder.name
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(LIBRARY_FILE))
+    config = json.loads((copy / CONFIG_FILE).read_text())
+    config["model"]["decoder"]["session_options"].pop("custom_ops_library", None)
+    (copy / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return copy
+
+
+def _genai(model: GPT, folder: Path, tokens: int, phases: Phases) -> tuple[dict[str, Any], list[str]]:
+    try:
+        import onnxruntime_genai as og
+    except ImportError as exc:
+        return {"checked": False, "reason": f"onnxruntime-genai is not installed ({exc})"}, []
+    tok = ByteTokenizer()
+    prompts = [tok.encode(p) for p in GENAI_PROMPTS]
+    refs = [generate(model, p, tokens, temperature=0)[0] for p in prompts]
+    report: dict[str, Any] = {"checked": True, "version": og.__version__, "prompts": len(prompts), "tokens": tokens}
+    failures = []
+    has_library = (folder / LIBRARY_FILE).is_file()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {"library": folder} if has_library else {}
+        runs["function_bodies"] = without_library(folder, Path(tmp)) if has_library else folder
+        for name, path in runs.items():
+            with phases.phase(f"onnxruntime-genai greedy ({name.replace('_', ' ')})", total=len(prompts)):
+                got = genai_greedy(path, prompts, tokens)
+            same = sum(a == b for a, b in zip(got, refs, strict=True))
+            report[name] = {"identical": same}
+            if same < len(prompts):
+                failures.append(f"onnxruntime-genai ({name.replace('_', ' ')}): {len(prompts) - same} of "
+                                f"{len(prompts)} greedy generations differ from PyTorch")
+        with phases.phase("tokenizer (onnxruntime-genai)"):
+            gtok = og.Tokenizer(og.Model(str(runs["function_bodies"])))
+            same = 0
+            for text in TOKENIZER_TEXTS:
+                ids = tok.encode(text)
+                same += list(gtok.encode(text)) == ids and gtok.decode(np.array(ids, dtype=np.int32)) == tok.decode(ids)
+    report["tokenizer"] = {"texts": len(TOKENIZER_TEXTS), "identical": int(same)}
+    if same < len(TOKENIZER_TEXTS):
+        failures.append(f"tokenizer: {len(TOKENIZER_TEXTS) - same} of {len(TOKENIZER_TEXTS)} texts encode or decode "
+                        "differently from models.tokenizer")
+    return report, failures
+
+
+def validate_genai_folder(model: GPT, folder: Path, samples: int = 100, tokens: int = 32, seed: int = 0,
+                          tolerance: Tolerance = TOLERANCES["fp32"], phases: Phases | None = None) -> dict[str, Any]:
+    phases = phases or Phases(False)
+    rng = np.random.default_rng(seed)
+    report, failures = _decoder_calls(model, folder / MODEL_FILE, samples, tolerance, phases, rng)
+    report["genai"], bad = _genai(model, folder, tokens, phases)
+    failures += bad
+    report["failures"] = failures
+    report["passed"] = not failures
+    return report
