@@ -24,7 +24,7 @@ from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
 from models.deit import DeiT
-from models.gpt import GPT
+from models.generate import TextDecoder
 from models.multimax import onnx_export_params
 from models.onnx_contract import (
     ONNX_DOMAIN,
@@ -114,7 +114,7 @@ class _Decoder(nn.Module):
 
 
 def export_text(
-    model: GPT,
+    model: TextDecoder,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -128,8 +128,8 @@ def export_text(
     ids = torch.randint(0, cfg.vocab_size, (batch, new))
     mask = torch.ones(batch, past_len + new, dtype=torch.long)
     positions = torch.arange(past_len, past_len + new).expand(batch, new).contiguous()
-    shape = (batch, cfg.n_head, past_len, cfg.head_dim)
-    past = [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.n_layer)]
+    shapes = [(batch, k.shape[1], past_len, k.shape[3]) for k, _ in model.empty_past(batch)]  # key/value heads
+    past = [(torch.randn(shape), torch.randn(shape)) for shape in shapes]
     # Ranges, not just names: the past may be empty (prefill), and the graph itself has no context limit.
     b = torch.export.Dim(contract.BATCH, min=1, max=4096)
     t = torch.export.Dim(contract.SEQUENCE, min=1, max=cfg.block_size)

@@ -158,11 +158,14 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     if folder and registry.task_of(ckpt.arch) != registry.TEXT:
         raise ExportError(f"-o {folder}: the onnxruntime-genai folder export is for text models, {ckpt.arch} is not "
                           "one; name a .onnx file")
+    if folder and not isinstance(model, GPT):  # Hugging Face-layout decoders: issue 24's next step
+        raise ExportError(f"-o {folder}: the onnxruntime-genai folder export takes the project's gpt checkpoints; "
+                          f"{ckpt.arch} is not supported there yet: name a .onnx file for a single-file export")
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
             if folder:
-                assert isinstance(model, GPT), f"a text export needs a GPT, got {type(model).__name__}"
+                assert isinstance(model, GPT)  # other architectures were refused above
                 write_folder(model, ckpt, folder, opset=options.opset, verbose=True)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,

@@ -16,8 +16,7 @@ from export.fused_check import FUSED_ATOL, compare_fused, cpu_session
 from export.progress import Phases
 from models import onnx_contract as contract
 from models import registry
-from models.generate import generate
-from models.gpt import GPT
+from models.generate import TextDecoder, generate
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 from models.output_function import probabilities as output_probabilities
 from plugins.onnx_reweighting import attribute_problems
@@ -226,7 +225,7 @@ def _feed(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: 
     return text_feeds(ids.numpy(), mask.numpy(), positions.numpy(), [(k.numpy(), v.numpy()) for k, v in past])
 
 
-def _text_case(model: GPT, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
+def _text_case(model: TextDecoder, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
     """A random decoder call: batch 1-8, `past_len` cached tokens (computed by the model), 1-8 new ones.
 
     Rows after the first get random left padding, so masked columns and shifted positions are covered.
@@ -240,7 +239,7 @@ def _text_case(model: GPT, rng: np.random.Generator, past_len: int) -> tuple[dic
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, total)))
     with torch.no_grad():
-        past = [(torch.zeros(batch, cfg.n_head, 0, cfg.head_dim),) * 2 for _ in range(cfg.n_layer)]
+        past = model.empty_past(batch)
         if past_len:
             _, past = model(ids[:, :past_len], positions[:, :past_len], mask[:, :past_len], past)
         logits, presents = model(ids[:, past_len:], positions[:, past_len:], mask, past)
@@ -269,7 +268,7 @@ def ort_greedy(session: ort.InferenceSession, prompt: list[int], steps: int, n_l
 
 
 def validate_text(
-    model: GPT,
+    model: TextDecoder,
     path: Path,
     samples: int = 100,
     max_past: int = 16,

@@ -26,6 +26,8 @@ from models.llama import Llama
 from models.output_function import log_probabilities
 from models.tokenizer import ByteTokenizer
 
+TextDecoder = GPT | Llama  # the text architectures: forward(ids, positions, mask, past) and empty_past(batch)
+
 
 class Detokenizer(Protocol):
     """What stop sequences need of a tokenizer (models.tokenizer.ByteTokenizer, models.hf_tokenizer.HFTokenizer)."""
@@ -116,17 +118,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
-def _empty_past(model: GPT | Llama, batch_size: int) -> tuple[PastKeyValues, torch.device]:
+def _empty_past(model: TextDecoder, batch_size: int) -> tuple[PastKeyValues, torch.device]:
     """A zero-length cache for `model` and the device it runs on."""
-    if isinstance(model, Llama):
-        return model.empty_past(batch_size), model.tok_embeddings.weight.device
-    weight = model.wte.weight
-    return KVCache.empty(model.config, batch_size, weight.dtype, weight.device).layers, weight.device
+    past = model.empty_past(batch_size)
+    return past, past[0][0].device
 
 
 @torch.no_grad()
 def generate(
-    model: GPT | Llama,
+    model: TextDecoder,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 1.0,

@@ -260,6 +260,12 @@ class GPT(nn.Module):
             logits = self.multimax(logits)
         return logits, presents
 
+    def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
+        """A zero-length cache as `forward` takes it (every text architecture has this method: the exporter and
+        validation ask the model for its cache's shape instead of reading config fields)."""
+        weight = self.wte.weight
+        return KVCache.empty(self.config, batch_size, dtype or weight.dtype, device or weight.device).layers
+
     @classmethod
     def from_state_dict(
         cls,
