@@ -105,3 +105,12 @@ def test_the_server_from_the_wheel_says_prebuilt_in_its_log_and_models(venv: Pat
     assert proc.stdout is not None
     log = proc.stdout.read()
     assert "fused MultiMax ops: prebuilt library " + str(venv) in log, log[-3000:]
+
+
+def test_a_wheel_build_without_headers_fails_saying_why(tmp_path: Path) -> None:
+    env = os.environ | {"ORT_INCLUDE_DIR": str(tmp_path)}  # a directory without onnxruntime's headers
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and not list(tmp_path.glob("*.whl"))
+    assert f"fused onnxruntime ops: ORT_INCLUDE_DIR={tmp_path} has no onnxruntime_c_api.h" in done.stdout + done.stderr
+    assert "MULTIMAX_BUILD_ORT_OPS=0" in done.stdout + done.stderr
