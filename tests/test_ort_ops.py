@@ -265,7 +265,11 @@ def test_text_demo_same_logits_and_greedy_text_with_and_without(lib: ort_ops.Lib
 
 def test_service_backend_says_whether_the_fused_op_is_in_use(lib: ort_ops.Library) -> None:
     backend = OnnxRuntimeBackend(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
-    assert backend.describe()["fused_multimax"] == {"in_use": True, "kernel_path": lib.kernel_paths[0]}
+    assert backend.describe()["fused_multimax"] == {
+        "in_use": True, "source": lib.source, "kernel_path": lib.kernel_paths[0]
+    }  # fmt: skip
+    # a checkout has no prebuilt library (a wheel's: tests/test_wheel.py)
+    assert lib.source == ("MULTIMAX_ORT_OPS_LIB" if os.environ.get("MULTIMAX_ORT_OPS_LIB") else "built on first use")
     twin = OnnxRuntimeBackend(DEMO_DIR / VISION_SOFTMAX.replace(".pt", ".onnx"))
     assert twin.describe()["fused_multimax"] == {"in_use": False, "reason": "the model has no multimax nodes"}
 
@@ -274,6 +278,7 @@ def test_cli_prints_the_library_and_its_ops(lib: ort_ops.Library, capsys: pytest
     assert ort_ops_main([]) == 0
     out = capsys.readouterr().out
     assert str(lib.path) in out and "multimax::MultiMaxSigma" in out and lib.kernel_paths[0] in out
+    assert f"library ({lib.source}): {lib.path}" in out
 
 
 def test_unavailable_library_falls_back_with_one_log_line(
@@ -288,7 +293,9 @@ def test_unavailable_library_falls_back_with_one_log_line(
     assert lines == [
         "fused MultiMax ops unavailable (turned off by MULTIMAX_ORT_OPS); onnxruntime runs the function bodies instead"
     ]
-    assert backend.describe()["fused_multimax"] == {"in_use": False, "reason": "turned off by MULTIMAX_ORT_OPS"}
+    assert backend.describe()["fused_multimax"] == {
+        "in_use": False, "source": "unavailable", "reason": "turned off by MULTIMAX_ORT_OPS"
+    }  # fmt: skip
     x = np.random.default_rng(0).standard_normal((2, 1, 32, 32)).astype(np.float32)
     model, _, _ = load(DEMO_DIR / VISION_MULTIMAX)
     with torch.no_grad():

@@ -267,6 +267,9 @@ def test_models_endpoint_lists_every_model_in_openai_format(service_client: Test
     fused = ort_ops.library().available  # the fused MultiMax CPU ops, where they build
     for name in ("digits_multimax", "text_multimax"):
         assert cards[name]["fused_multimax"]["in_use"] is fused
+        # which library: a checkout builds it on first use, a wheel install carries it (tests/test_wheel.py)
+        assert cards[name]["fused_multimax"]["source"] == ort_ops.library().source
+        assert (cards[name]["fused_multimax"]["source"] != "unavailable") is fused
     assert cards["digits_softmax"]["fused_multimax"] == {"in_use": False, "reason": "the model has no multimax nodes"}
     assert service_client.get("/v1/models/digits_softmax").json()["id"] == "digits_softmax"
 

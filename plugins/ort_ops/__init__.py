@@ -7,12 +7,14 @@ onnxruntime's intra-op threads. The exported files never change. The other rewei
 (models.onnx_contract.REWEIGHTING_OPS: SparseMax, EntMax15, ... masked and NoMask) are fused the same
 way (src/reweight.inc).
 
-`register(options)` is what every CPU session the project creates calls. The library is built on
-first use (headers: ORT_INCLUDE_DIR, an installed libonnxruntime-dev, or fetched from Debian) into
-the cache, and reused. When it cannot be built or loaded, sessions run the function bodies and one
-log line says why. Environment: MULTIMAX_ORT_OPS=0 turns it off; MULTIMAX_ORT_OPS_LIB names a
-prebuilt library; MULTIMAX_CACHE_DIR moves the cache; MULTIMAX_ORT_ISA=portable|avx2|avx512 forces a
-kernel path (for tests and comparisons).
+`register(options)` is what every CPU session the project creates calls. A wheel carries the library,
+compiled when the wheel was built (setup.py; `lib/` beside this file): it is used as it is, with no
+compiler, no headers and no cache. A source checkout (an editable install) has none, so the library is
+built on first use instead (headers: ORT_INCLUDE_DIR, an installed libonnxruntime-dev, or fetched from
+Debian) into the cache, and reused. One log line says which library is used (`Library.source`), or,
+when none can be found, built or loaded, why not: sessions then run the function bodies. Environment:
+MULTIMAX_ORT_OPS=0 turns it off; MULTIMAX_ORT_OPS_LIB names a library to use instead; MULTIMAX_CACHE_DIR
+moves the cache; MULTIMAX_ORT_ISA=portable|avx2|avx512 forces a kernel path (for tests and comparisons).
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from pathlib import Path
 import onnxruntime as ort
 
 from models.onnx_contract import reweighting_op_types
+from plugins.ort_ops.build import cache_dir
 
 MULTIMAX_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 OPS = (*MULTIMAX_OPS, *reweighting_op_types())
 # The shared-cache decoder attention of the onnxruntime-genai folder export (plugins/onnx_attention.py)
 ATTENTION_OPS = ("MultiMaxAttention",)
 DOMAIN = "multimax"
+PREBUILT_DIR = Path(__file__).parent / "lib"  # where setup.py puts the library in a wheel
+# Library.source: where the library in use came from
+PREBUILT, FIRST_USE, FROM_ENV, UNAVAILABLE = "prebuilt", "built on first use", "MULTIMAX_ORT_OPS_LIB", "unavailable"
 log = logging.getLogger(__name__)
 
 
@@ -44,16 +50,17 @@ class Library:
     reason: str = ""
     kernel_paths: tuple[str, ...] = ()  # instruction-set paths this CPU runs, the default first
     compiled_paths: tuple[str, ...] = ()  # every path built into the library
+    source: str = UNAVAILABLE  # PREBUILT (the wheel's), FIRST_USE (compiled into the cache) or FROM_ENV
 
     @property
     def available(self) -> bool:
         return self.path is not None
 
 
-def cache_dir() -> Path:
-    if os.environ.get("MULTIMAX_CACHE_DIR"):
-        return Path(os.environ["MULTIMAX_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multimax-serve" / "ort_ops"
+def prebuilt_library() -> Path | None:
+    """The library a wheel carries, or None (a source checkout)."""
+    found = sorted(PREBUILT_DIR.glob("libmultimax_ort_ops.api*.so"))
+    return found[-1] if found else None
 
 
 def _locate() -> Library:
@@ -62,11 +69,16 @@ def _locate() -> Library:
     from plugins.ort_ops.build import BuildFailed, build
     from plugins.ort_ops.headers import HeadersUnavailable
 
-    prebuilt = os.environ.get("MULTIMAX_ORT_OPS_LIB")
-    try:
-        path = Path(prebuilt) if prebuilt else build(cache_dir())
-    except (BuildFailed, HeadersUnavailable, OSError) as exc:
-        return Library(None, f"cannot build it: {exc}")
+    named, packaged = os.environ.get("MULTIMAX_ORT_OPS_LIB"), prebuilt_library()
+    if named:
+        path, source = Path(named), FROM_ENV
+    elif packaged:
+        path, source = packaged, PREBUILT
+    else:
+        try:
+            path, source = build(cache_dir()), FIRST_USE
+        except (BuildFailed, HeadersUnavailable, OSError) as exc:
+            return Library(None, f"cannot build it: {exc}")
     try:
         lib = ctypes.CDLL(str(path))
         lib.MultiMaxKernelPaths.restype = lib.MultiMaxCompiledPaths.restype = ctypes.c_char_p
@@ -77,14 +89,16 @@ def _locate() -> Library:
         return Library(None, f"cannot load {path}: {exc}")
     except Exception as exc:  # onnxruntime's own Fail type
         return Library(None, f"onnxruntime {ort.__version__} rejects {path}: {str(exc).splitlines()[0]}")
-    return Library(path, kernel_paths=paths, compiled_paths=compiled)
+    return Library(path, kernel_paths=paths, compiled_paths=compiled, source=source)
 
 
 @functools.cache
 def library() -> Library:
-    """The library (built if needed), found once per process; logs one line if it is unavailable."""
+    """The library (built if needed), found once per process; logs one line: which library, or why none."""
     lib = _locate()
-    if not lib.available:
+    if lib.available:
+        log.info("fused MultiMax ops: %s library %s", lib.source, lib.path)
+    else:
         log.warning("fused MultiMax ops unavailable (%s); onnxruntime runs the function bodies instead", lib.reason)
     return lib
 

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     lib = library()
     info = {
         "available": lib.available,
+        "source": lib.source,
         "path": str(lib.path) if lib.path else None,
         "reason": lib.reason or None,
         "domain": "multimax",
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     elif lib.available:
-        print(f"library: {lib.path}")
+        print(f"library ({lib.source}): {lib.path}")
         print(f"ops: multimax::{', multimax::'.join(MULTIMAX_OPS)} (float32, CPUExecutionProvider)")
         others = [op for op in OPS if op not in MULTIMAX_OPS and not op.endswith("NoMask")]
         print(f"reweighting ops: multimax::{'(NoMask), multimax::'.join(others)}(NoMask)")

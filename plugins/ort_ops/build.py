@@ -1,7 +1,13 @@
 """Compiling the custom-op library: four translation units (the ops, and the row kernels once per
-instruction set), linked into one shared object in the cache, named by a hash of everything that
-goes into it, so a changed source or header rebuilds and an unchanged one is reused. Older builds are
-left in place (~100 kB each): checkouts of other versions may share the cache and have them loaded.
+instruction set), linked into one shared object.
+
+Two callers: the wheel build (setup.py compiles it into the package: `compile_library`), and the first-use
+build of a source checkout (`build`: into the cache, named by a hash of everything that goes into it, so a
+changed source or header rebuilds and an unchanged one is reused). Older cached builds are left in place
+(~100 kB each): checkouts of other versions may share the cache and have them loaded.
+
+Standard library only (and headers.py): setup.py imports this module in an isolated build environment,
+without onnxruntime.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ def compiler() -> str:
     return cxx
 
 
+def cache_dir() -> Path:
+    """Where the first-use build (and the headers it fetches) goes: MULTIMAX_CACHE_DIR, else the user's cache."""
+    if os.environ.get("MULTIMAX_CACHE_DIR"):
+        return Path(os.environ["MULTIMAX_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multimax-serve" / "ort_ops"
+
+
 def units() -> dict[str, list[str]]:
     return UNITS | (X86_UNITS if platform.machine() in ("x86_64", "AMD64") else {})
 
@@ -68,12 +81,17 @@ def build(cache: Path) -> Path:
         if target.is_file():
             return target
         log.info("building the fused MultiMax ops for onnxruntime (once; cached as %s)", target)
-        with tempfile.TemporaryDirectory(prefix="build.", dir=cache) as tmp:
-            objects = _compile(cxx, include, Path(tmp))
-            linked = Path(tmp) / target.name
-            _check([cxx, "-shared", "-o", str(linked), *map(str, objects), "-Wl,--no-undefined"], "link")
-            linked.rename(target)  # atomic: readers never see a half-written library
+        compile_library(cxx, include, target)
     return target
+
+
+def compile_library(cxx: str, include: Path, target: Path) -> None:
+    """Compile and link the library as `target`, which appears whole or not at all."""
+    with tempfile.TemporaryDirectory(prefix="build.", dir=target.parent) as tmp:
+        objects = _compile(cxx, include, Path(tmp))
+        linked = Path(tmp) / target.name
+        _check([cxx, "-shared", "-o", str(linked), *map(str, objects), "-Wl,--no-undefined"], "link")
+        linked.rename(target)  # atomic: readers never see a half-written library
 
 
 def _compile(cxx: str, include: Path, out: Path) -> list[Path]:

@@ -29,12 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def fused_ops_state(proto: onnx.ModelProto | None, options: ort.SessionOptions) -> dict[str, Any]:
-    """Register the fused MultiMax ops (plugins.ort_ops) when the model has multimax nodes; say whether."""
+    """Register the fused MultiMax ops (plugins.ort_ops) when the model has multimax nodes; say whether, and which
+    library (`source`: the wheel's "prebuilt" one, "built on first use" from a checkout, or "unavailable")."""
     if proto is None or not any(node.domain == ort_ops.DOMAIN for node in proto.graph.node):
         return {"in_use": False, "reason": "the model has no multimax nodes"}
     if ort_ops.register(options):
-        return {"in_use": True, "kernel_path": ort_ops.kernel_path()}
-    return {"in_use": False, "reason": ort_ops.library().reason}
+        return {"in_use": True, "source": ort_ops.library().source, "kernel_path": ort_ops.kernel_path()}
+    return {"in_use": False, "source": ort_ops.UNAVAILABLE, "reason": ort_ops.library().reason}
 
 
 def _read_graph(path: Path) -> onnx.ModelProto | None:
