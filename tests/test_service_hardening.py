@@ -393,6 +393,7 @@ def test_silent_connections_are_closed_and_a_flood_is_refused_while_probes_answe
             assert probe.status_code == 200  # the probe answers during the flood
             live = httpx.get(f"{url}/v2/health/live", timeout=10)
             assert live.status_code == 200
+            assert httpx.get(f"{url}/v2/models/digits_multimax/ready", timeout=10).status_code == 200
             refused = httpx.get(f"{url}/v1/models", timeout=10)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
             assert refused.headers["connection"] == "close" and refused.headers["retry-after"] == "1"
