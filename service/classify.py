@@ -152,6 +152,7 @@ async def decode_request(request: Request, rt: VisionRuntime, settings: Any, due
                               settings.max_body_bytes)
     pixels = await asyncio.to_thread(_admit, blobs, rt, settings.min_image_side)
     pool: DecodePool = request.app.state.runtimes.decoder
+    pool.check_room(pixels, due)
     jobs = [(n, _numbered(i, len(blobs), partial(_decode_one, blob, rt.preprocess, rt.max_image_pixels,
                                                  settings.min_image_side)))
             for i, (n, blob) in enumerate(zip(pixels, blobs, strict=True))]

@@ -9,12 +9,17 @@ pixel limit. Jobs whose request's deadline has passed, or whose request has fail
 
 One more thread is an express lane for small images (at most `SMALL_PIXELS`, a few milliseconds each): an ordinary
 request never waits behind a 40-megapixel decode at all, even when every general thread is busy with one.
+
+Admission (`check_room`): a request whose large images could not start before its deadline, at the decoding
+rate measured so far, is refused at once with 429 and a Retry-After of the queued work's time, instead of
+waiting to be dropped with a 504.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +47,7 @@ class _Job(Generic[T]):
     future: asyncio.Future[T]
     due: float  # time.perf_counter() deadline (service.lifecycle.deadline)
     order: int = field(default=0)
+    started: float = 0.0
 
 
 class DecodePool:
@@ -52,6 +58,27 @@ class DecodePool:
         self._running = 0  # on the general threads
         self._express_busy = False
         self._order = itertools.count()
+        self._thread_rate: float | None = None  # pixels per second of one general thread (moving average)
+
+    def waiting_pixels(self) -> int:
+        return sum(j.pixels for j in self._waiting if not j.request.done)
+
+    def queued_seconds(self) -> float:
+        """How long the waiting work will take the general threads, at the measured rate (0 before any)."""
+        if not self._thread_rate:
+            return 0.0
+        return self.waiting_pixels() / (self._thread_rate * self.threads)
+
+    def check_room(self, pixels: list[int], due: float) -> None:
+        """429 (with Retry-After) when a request's large images could not start before `due`: the work queued
+        ahead of them takes longer than the time left. Small images ride the express thread: never refused."""
+        if all(p <= SMALL_PIXELS for p in pixels) or self._running < self.threads:
+            return
+        ahead = self.queued_seconds()
+        if ahead > due - time.perf_counter():
+            raise ServiceError(429, f"{self.waiting_pixels()} pixels of images are waiting to be decoded (about "
+                               f"{ahead:.1f} s of work), more than this request's deadline allows; retry later",
+                               code="queue_full", headers={"Retry-After": str(max(1, math.ceil(ahead)))})
 
     async def run(self, jobs: list[tuple[int, Callable[[], T]]], due: float) -> list[T]:
         """Each job's result, in order: `(pixels, work)` pairs of one request, all done by `due`
@@ -100,6 +127,7 @@ class DecodePool:
                                                            "decoded", code="timeout"))
                 continue
             job.request.started_pixels += job.pixels
+            job.started = now
             if express:
                 self._express_busy = True
             else:
@@ -112,6 +140,10 @@ class DecodePool:
             self._express_busy = False
         else:
             self._running -= 1
+            took = time.perf_counter() - job.started
+            if not running.cancelled() and running.exception() is None and took > 0 and job.pixels > SMALL_PIXELS:
+                rate = job.pixels / took
+                self._thread_rate = rate if self._thread_rate is None else 0.8 * self._thread_rate + 0.2 * rate
         if running.cancelled():  # the pool is closing
             job.future.cancel()
         elif not job.future.done():

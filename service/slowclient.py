@@ -9,8 +9,8 @@ within `header_timeout_s`; otherwise the server answers 408 and closes. The body
 
 A connection that never sends a byte is closed after `idle_timeout_s` (uvicorn's keep-alive timeout starts only
 after a first response). Beyond `max_connections` open connections a new one is still accepted, but its
-request is answered 503 (JSON, `Connection: close`) unless it is a health probe, and it gets at most
-`OVER_LIMIT_IDLE_S` to send it: a flood of silent connections cannot hold the server's sockets, and the
+request is answered 503 (JSON, `Connection: close`) unless it is a health probe (a model's readiness too), and
+it gets at most `OVER_LIMIT_IDLE_S` to send it: a flood of silent connections cannot hold the server's sockets, and the
 probes of a load balancer or an orchestrator keep their answers while it lasts.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -26,6 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from service.errors import error_response
 
 HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # a model's readiness: a probe too
 OVER_LIMIT_IDLE_S = 1.0  # a connection beyond the limit must send its request within this
 
 _BODY = json.dumps({"error": {"message": "request headers not received in time", "type": "timeout", "param": None,
@@ -37,7 +39,7 @@ _408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconn
 def over_limit_app(app: ASGIApp, limit: int) -> ASGIApp:
     """`app` for a connection beyond the limit: health probes as usual, everything else a clean 503."""
     async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in HEALTH_PATHS:
+        if scope["type"] != "http" or scope["path"] in HEALTH_PATHS or MODEL_READY.fullmatch(scope["path"]):
             await app(scope, receive, send)
             return
         response = error_response(scope["path"], 503, f"too many open connections (the limit is {limit}): retry "

@@ -41,6 +41,7 @@ from service import classify as classify_module
 from service.app import create_app
 from service.batcher import DynamicBatcher
 from service.config import Settings, load_settings
+from service.decoding import DecodePool
 from service.errors import ServiceError
 from service.metrics import Metrics
 from service.pngcheck import missing_rows
@@ -392,6 +393,7 @@ def test_silent_connections_are_closed_and_a_flood_is_refused_while_probes_answe
             assert probe.status_code == 200  # the probe answers during the flood
             live = httpx.get(f"{url}/v2/health/live", timeout=10)
             assert live.status_code == 200
+            assert httpx.get(f"{url}/v2/models/digits_multimax/ready", timeout=10).status_code == 200
             refused = httpx.get(f"{url}/v1/models", timeout=10)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
             assert refused.headers["connection"] == "close" and refused.headers["retry-after"] == "1"
@@ -612,3 +614,31 @@ def test_a_failing_model_never_turns_the_readiness_of_the_others() -> None:
         r = c.post("/v1/models/digits_multimax/classify", content=_png_bytes(), headers={"Content-Type": "image/png"})
         assert r.status_code == 200
         assert 'multimax_model_ready{model="digits_multimax"} 1.0' in c.get("/metrics").text
+
+
+def test_large_images_that_could_not_start_before_the_deadline_get_429_with_the_queued_time() -> None:
+    """One thread decoding 2 MP images at 0.2 s each, ten queued: a new request with 0.5 s left is refused at once,
+    Retry-After the queued work's seconds; one with time enough, and one of small images, are admitted."""
+    async def main() -> tuple[int, str]:
+        pool = DecodePool(1)
+
+        def work() -> int:
+            time.sleep(0.2)
+            return 1
+
+        far = time.perf_counter() + 60
+        storm = asyncio.ensure_future(pool.run([(2_000_000, work)] * 10, far))
+        while pool.queued_seconds() == 0:  # the first image measured the rate
+            await asyncio.sleep(0.01)
+        with pytest.raises(ServiceError) as refused:
+            pool.check_room([2_000_000], time.perf_counter() + 0.5)
+        pool.check_room([2_000_000], far)  # time enough: admitted
+        pool.check_room([32 * 32], time.perf_counter() + 0.5)  # small: the express thread takes it
+        small = await pool.run([(32 * 32, lambda: 2)], time.perf_counter() + 0.5)  # and it is decoded in time
+        assert small == [2] and not storm.done()
+        await storm
+        pool.close()
+        return refused.value.status, refused.value.headers["Retry-After"]
+
+    status, retry_after = asyncio.run(main())
+    assert status == 429 and int(retry_after) >= 1
