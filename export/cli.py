@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "large models but every batch size at least once; 100 text cases)")
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,2,8")
     p.add_argument("--num-heads", type=int, help="heads, for foreign checkpoints that do not store them")
+    p.add_argument("--dict", dest="dictionary", metavar="PATH",
+                   help="a fairseq language model's dict.txt (default: dict.txt beside the checkpoint)")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
     precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
@@ -58,6 +60,7 @@ def options_from(args: argparse.Namespace) -> ExportOptions:
         samples=args.samples,
         batch_sizes=args.batch_sizes,
         num_heads=args.num_heads,
+        dictionary=Path(args.dictionary) if args.dictionary else None,
         trt=args.trt,
         threads=args.threads,
         progress=not args.quiet,

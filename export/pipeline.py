@@ -47,6 +47,7 @@ class ExportOptions:
     samples: int | None = None  # None: 100 (vision: fewer for large models, every batch size at least once)
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     num_heads: int | None = None  # for foreign checkpoints that do not store it
+    dictionary: Path | None = None  # a fairseq LM's dict.txt; None: dict.txt beside the checkpoint
     trt: bool = False
     threads: int | None = None  # PyTorch threads for the reference pass; None: the cores idle at the start
     progress: bool = True
@@ -115,7 +116,8 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     precision = options.precision
     phases = Phases(show=options.progress)
     with phases.phase("load checkpoint"):
-        model, ckpt, _ = load(ckpt_path, num_heads=options.num_heads)
+        dictionary = str(options.dictionary) if options.dictionary else None
+        model, ckpt, _ = load(ckpt_path, num_heads=options.num_heads, dictionary=dictionary)
     suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
     out = Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
     if not out.parent.is_dir():

@@ -79,12 +79,14 @@ def function_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_load_hints(p: argparse.ArgumentParser) -> None:
     """Flags for foreign checkpoints whose weights do not say everything (official / timm DeiT)."""
-    g = p.add_argument_group("foreign checkpoints (official MultiMax / timm DeiT)")
+    g = p.add_argument_group("foreign checkpoints (official MultiMax / timm DeiT, fairseq language models)")
     g.add_argument("--num-heads", type=int, help="attention heads (not stored in the weights)")
     g.add_argument("--preset", choices=sorted(deit.DEIT_PRESETS), help="take heads and LayerNorm eps from a preset")
     g.add_argument("--ln-eps", type=float, help="LayerNorm epsilon")
     g.add_argument("--variant", choices=VARIANTS, help="MultiMax variant, when the weights cannot tell")
     g.add_argument("--ema", action="store_true", help="load 'model_ema' from a DeiT training checkpoint")
+    g.add_argument("--dict", dest="dictionary", metavar="PATH",
+                   help="a fairseq language model's dict.txt (default: dict.txt beside the checkpoint)")
 
 
 def load_hints(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,6 +96,7 @@ def load_hints(args: argparse.Namespace) -> dict[str, Any]:
         "ln_eps": args.ln_eps,
         "variant": args.variant,
         "use_ema": args.ema or None,
+        "dictionary": args.dictionary,
     }
 
 

@@ -21,8 +21,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from models.gpt import GPT, KVCache
+from models.gpt import KVCache
 from models.output_function import log_probabilities
+from models.registry import TextModel
 from models.tokenizer import ByteTokenizer
 
 
@@ -111,7 +112,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: TextModel,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -145,7 +146,8 @@ def generate(
 
     stops = stop_bytes(stop)
     tokenizer = tokenizer or ByteTokenizer()
-    device, dtype = model.wte.weight.device, model.wte.weight.dtype
+    weight = next(model.parameters())  # any text model: the embedding's device and dtype
+    device, dtype = weight.device, weight.dtype
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     input_ids, attention_mask = left_pad(prompts, pad_id=0, device=device)  # pad id is masked, any id works
     cache = KVCache.empty(cfg, len(prompts), dtype, device)
