@@ -10,6 +10,7 @@ GPT-2's `encoder.json` and `vocab.bpe` it becomes a byte-level BPE whose ids are
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,95 @@ def tokenizer_for(
 def load_tokenizer(entry: dict[str, Any]) -> Tokenizer:
     """The tokenizers.Tokenizer that `tokenizer_for` stored."""
     return Tokenizer.from_str(json.dumps(entry["tokenizer_json"]))
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)  # the bytes without a printable stand-in, numbered after 255 in order
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class FairseqTokenizer:
+    """A fairseq dictionary's tokenizer behind the interface the server uses (`models.tokenizer.TextTokenizer`).
+
+    Encoding is the tokenizer.json's (</s> first, as fairseq's LM input). Each token's text is its bytes: a word
+    is " word" (words joined by spaces), a GPT-2 BPE piece its bytes; the four specials have none.
+    """
+
+    type = TOKENIZER_TYPE
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.entry = entry
+        self.tokenizer = load_tokenizer(entry)
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        by_id = {i: piece for piece, i in vocab.items()}
+        size = int(entry["vocab_size"])
+        if sorted(by_id) != list(range(size)):
+            raise ValueError(f"fairseq tokenizer: ids are not 0..{size - 1}")
+        self.names = by_id
+        alphabet = _byte_alphabet() if entry.get("fairseq") == "gpt2" else None
+        self.pieces: list[bytes] = []
+        for i in range(size):
+            piece = by_id[i]
+            if i < len(SPECIALS):
+                self.pieces.append(b"")
+            elif alphabet is not None and all(c in alphabet for c in piece):
+                self.pieces.append(bytes(alphabet[c] for c in piece))
+            else:
+                self.pieces.append((" " + piece).encode("utf-8"))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def bos_id(self) -> int:
+        return int(self.entry.get("bos_id", EOS))
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.entry.get("eos_id", EOS))
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.entry.get("pad_id", PAD))
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)  # begins with </s> either way: fairseq's LM input
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.pieces):
+                raise ValueError(f"token id {i} is outside the vocabulary (0..{len(self.pieces) - 1})")
+            out += self.pieces[i]
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < len(SPECIALS):
+                out += b"" if skip_special else self.names[i].encode("utf-8")
+            else:
+                out += self.decode_bytes([i])
+        return out.decode("utf-8", errors="replace")  # bytes first: a BPE piece may hold part of a character
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.entry)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FairseqTokenizer:
+        if d.get("type") != TOKENIZER_TYPE or not isinstance(d.get("tokenizer_json"), dict):
+            raise ValueError(f"not a {TOKENIZER_TYPE} tokenizer entry")
+        try:
+            return cls(d)
+        except Exception as exc:  # tokenizers raises its own exception types for a damaged tokenizer.json
+            raise ValueError(f"unusable tokenizer.json: {exc}") from None

@@ -24,7 +24,7 @@ from torch import Tensor
 from models.gpt import KVCache
 from models.output_function import log_probabilities
 from models.registry import TextModel
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, TextTokenizer
 
 
 def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
@@ -82,7 +82,7 @@ def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
     return [s for s in out if s]
 
 
-def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: ByteTokenizer) -> int | None:
+def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: TextTokenizer) -> int | None:
     """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None."""
     if not stops:
         return None
@@ -121,7 +121,7 @@ def generate(
     stop: Sequence[str] | Sequence[bytes] | None = None,
     seed: int | None = None,
     eos_id: int | None = None,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> list[list[int]]:
     """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
 

@@ -254,10 +254,71 @@ def test_export_cli_validates_a_fairseq_lm(tmp_path: Path) -> None:
     assert report["validation"]["greedy"]["identical"] == report["validation"]["greedy"]["prompts"]
     assert report["validation"]["ORT_ENABLE_BASIC"]["max_abs"] < 1e-4, report["problems"]
     assert code == 0, report["problems"]
-    # Serving needs the server to use the fairseq tokenizer (issue 26 item 3, not done): until then it refuses
-    # the file at load with one clear line rather than serving it with the byte tokenizer.
+    # the server takes the file with its fairseq tokenizer (the metadata carries the tokenizer.json)
     from service.config import Settings
     from service.registry import load_model
 
-    with pytest.raises(ValueError, match="unusable tokenizer metadata: unknown tokenizer type 'hf-tokenizers'"):
-        load_model("lm", "onnxruntime", {"onnxruntime": out}, Settings(model_dir=tmp_path))
+    entry = load_model("lm", "onnxruntime", {"onnxruntime": out}, Settings(model_dir=tmp_path))
+    try:
+        assert entry.byte_tokenizer is not None and entry.byte_tokenizer.type == "hf-tokenizers"
+        assert entry.byte_tokenizer.encode("the cat") == [2, 7, 28]
+    finally:
+        entry.backend.close()
+
+
+@pytest.mark.slow
+def test_exported_fairseq_lm_answers_completions_through_openai(tmp_path: Path) -> None:
+    """Issue 26 item 3: words joined by spaces; log-probs of the prompt and of the greedy word as fairseq's."""
+    import openai
+
+    from benchmarks.server import start, stop
+    from export.pipeline import ExportOptions, export_checkpoint
+
+    out = tmp_path / "models" / "fairseq_lm.onnx"
+    out.parent.mkdir()
+    export_checkpoint(FIXTURES / "prenorm_untied" / "checkpoint.pt", ExportOptions(output=out, validate=False,
+                                                                                    progress=False))
+    exp, arrays = expected("prenorm_untied")
+    case, logprobs = exp["cases"][0], arrays["logprobs_0"]
+    proc, url = start("--model-dir", str(out.parent))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="fairseq_lm", prompt=case["text"], max_tokens=6, temperature=0,
+                                         logprobs=1, echo=True)
+    finally:
+        stop(proc)
+    choice = done.choices[0]
+    first_eos = case["greedy_ids"].index(2)
+    words = case["greedy_words"].split()[:first_eos]
+    assert choice.text == " " + case["text"] + "".join(" " + w for w in words)  # greedy up to fairseq's </s>
+    assert choice.finish_reason == "stop"
+    lps = choice.logprobs
+    assert lps is not None and lps.tokens is not None and lps.token_logprobs is not None
+    assert lps.tokens == ["</s>", *(" " + w for w in case["text"].split()), *(" " + w for w in words)]
+    ids = case["ids"]
+    want = [logprobs[t - 1][ids[t]] for t in range(1, len(ids))] + [logprobs[-1][case["greedy_ids"][0]]]
+    got = lps.token_logprobs[1:len(ids) + 1]
+    assert np.abs(np.array(got) - np.array(want)).max() < TOLERANCE
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("name", ["gpt2_bpe", "prenorm_untied"])
+def test_server_tokenizer_text_is_fairseqs(name: str) -> None:
+    """The server's view of the tokenizer: a prompt's ids, and the text of generated ids (GPT-2 BPE: fairseq's
+    GPT2BPE.decode; words: joined by spaces)."""
+    from models.tokenizer import tokenizer_from_dict
+
+    _, ckpt, _ = ckpt_io.load(FIXTURES / name / "checkpoint.pt")
+    tok = tokenizer_from_dict(ckpt.tokenizer)
+    assert tok.vocab_size == ckpt.config["vocab_size"] and tok.eos_id == 2 and tok.pad_id == 1
+    for case in expected(name)[0]["cases"]:
+        assert tok.encode(case["text"]) == case["ids"]
+        if name == "gpt2_bpe":
+            assert tok.decode(case["ids"]) == case["text"]  # byte-level BPE round-trips
+            assert tok.decode(case["greedy_ids"]) == case["greedy_words"]
+            assert tok.decode_bytes(case["greedy_ids"]) == case["greedy_words"].encode()
+        else:
+            words = [w for w in case["greedy_words"].split() if w != "</s>"]
+            assert tok.decode(case["greedy_ids"]) == "".join(" " + w for w in words)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode_bytes([tok.vocab_size])
