@@ -267,20 +267,27 @@ def test_export_cli_validates_a_fairseq_lm(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_exported_fairseq_lm_answers_completions_through_openai(tmp_path: Path) -> None:
-    """Issue 26 item 3: words joined by spaces; log-probs of the prompt and of the greedy word as fairseq's."""
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_fairseq_lm_answers_completions_through_openai(tmp_path: Path, backend: str) -> None:
+    """Issue 26 item 3, exported (ONNX Runtime) or as fairseq's own checkpoint with its dict.txt (PyTorch): words
+    joined by spaces; log-probs of the prompt and of the greedy word as fairseq's."""
     import openai
 
     from benchmarks.server import start, stop
     from export.pipeline import ExportOptions, export_checkpoint
 
-    out = tmp_path / "models" / "fairseq_lm.onnx"
-    out.parent.mkdir()
-    export_checkpoint(FIXTURES / "prenorm_untied" / "checkpoint.pt", ExportOptions(output=out, validate=False,
-                                                                                    progress=False))
+    models = tmp_path / "models"
+    models.mkdir()
+    source = FIXTURES / "prenorm_untied"
+    if backend == "torch":
+        shutil.copy(source / "checkpoint.pt", models / "fairseq_lm.pt")
+        shutil.copy(source / "dict.txt", models / "dict.txt")
+    else:
+        export_checkpoint(source / "checkpoint.pt", ExportOptions(output=models / "fairseq_lm.onnx", validate=False,
+                                                                  progress=False))
     exp, arrays = expected("prenorm_untied")
     case, logprobs = exp["cases"][0], arrays["logprobs_0"]
-    proc, url = start("--model-dir", str(out.parent))
+    proc, url = start("--model-dir", str(models))
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         done = client.completions.create(model="fairseq_lm", prompt=case["text"], max_tokens=6, temperature=0,
