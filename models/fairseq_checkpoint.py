@@ -107,6 +107,27 @@ def _content(node: _Inert) -> Any:
     return content
 
 
+_INTERPOLATION = re.compile(r"^\$\{([\w.]+)\}$")
+
+
+def resolve(value: Any, root: Mapping[str, Any], depth: int = 0) -> Any:
+    """omegaconf's plain interpolations (`${task.tokens_per_sample}`, as fairseq's dataclasses use) looked up in
+    the configuration itself; anything else (resolvers, missing paths) stays as written."""
+    if isinstance(value, Mapping):
+        return {k: resolve(v, root, depth) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve(v, root, depth) for v in value]
+    m = _INTERPOLATION.match(value) if isinstance(value, str) else None
+    if m is None or depth > 10:
+        return value
+    target: Any = root
+    for part in m.group(1).split("."):
+        if not isinstance(target, Mapping) or part not in target:
+            return value
+        target = target[part]
+    return resolve(target, root, depth + 1)
+
+
 def looks_like_fairseq(obj: Mapping[str, Any]) -> bool:
     """fairseq's trainer layout: `model` a state dict with `decoder.*` keys beside `cfg` or `args`."""
     model = obj.get("model")
@@ -119,6 +140,8 @@ def model_config(obj: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     cfg = obj.get("cfg")
     if cfg is not None:
         cfg = plain(cfg)
+        if isinstance(cfg, Mapping):
+            cfg = resolve(cfg, cfg)
         if not isinstance(cfg, Mapping) or not isinstance(cfg.get("model"), Mapping):
             raise CheckpointError("fairseq checkpoint: cfg has no model section")
         task = cfg.get("task") if isinstance(cfg.get("task"), Mapping) else {}

@@ -329,3 +329,15 @@ def test_server_tokenizer_text_is_fairseqs(name: str) -> None:
             assert tok.decode(case["greedy_ids"]) == "".join(" " + w for w in words)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode_bytes([tok.vocab_size])
+
+
+def test_configuration_interpolations_are_resolved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """fairseq's dataclasses write `max_target_positions: ${task.max_target_positions}`; an unresolved one in the
+    saved configuration is looked up there, as omegaconf would."""
+    def change(state: dict) -> None:
+        state["cfg"]["model"]["max_target_positions"] = "${task.tokens_per_sample}"
+        state["cfg"]["task"]["tokens_per_sample"] = 24
+
+    path = rewrite(copy_fixture(tmp_path), change)
+    assert models_main(["info", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sizes"]["block_size"] == 24
