@@ -341,3 +341,12 @@ def test_configuration_interpolations_are_resolved(tmp_path: Path, capsys: pytes
     path = rewrite(copy_fixture(tmp_path), change)
     assert models_main(["info", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sizes"]["block_size"] == 24
+
+
+def test_older_fairseq_sinusoidal_placeholder_is_ignored(tmp_path: Path) -> None:
+    """Older fairseq saved `decoder.embed_positions._float_tensor` (an empty placeholder): read and dropped."""
+    path = rewrite(copy_fixture(tmp_path),
+                   lambda s: s["model"].__setitem__("decoder.embed_positions._float_tensor", torch.zeros(1)))
+    model, _, _ = ckpt_io.load(path)
+    exp, arrays = expected("postnorm_tied")
+    assert np.abs(full_logprobs(model, exp["cases"][0]["ids"]) - arrays["logprobs_0"]).max() <= TOLERANCE
