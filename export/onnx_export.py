@@ -24,7 +24,6 @@ from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
 from models.deit import DeiT
-from models.generate import TextDecoder
 from models.multimax import onnx_export_params
 from models.onnx_contract import (
     ONNX_DOMAIN,
@@ -34,6 +33,7 @@ from models.onnx_contract import (
     reweighting_op_types,
     text_io_names,
 )
+from models.registry import TextModel
 from plugins.onnx_functions import function_protos
 from plugins.onnx_reweighting import reweighting_function_protos
 
@@ -114,7 +114,7 @@ class _Decoder(nn.Module):
 
 
 def export_text(
-    model: TextDecoder,
+    model: TextModel,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,

@@ -61,6 +61,7 @@ class ExportOptions:
     variant: str | None = None  # MultiMax variant, when the weights cannot tell
     use_ema: bool = False  # a DeiT training checkpoint's `model_ema`
     labels: Path | None = None  # class names to attach to a vision model (models.labels formats)
+    dictionary: Path | None = None  # a fairseq LM's dict.txt; None: dict.txt beside the checkpoint
     trt: bool = False
     threads: int | None = None  # PyTorch threads for the reference pass; None: the cores idle at the start
     progress: bool = True
@@ -72,7 +73,8 @@ class ExportOptions:
 
     def load_hints(self) -> dict[str, Any]:
         hints = {"num_heads": self.num_heads, "ln_eps": self.ln_eps, "qk_scale": self.qk_scale,
-                 "preset": self.preset, "variant": self.variant, "use_ema": self.use_ema or None}
+                 "preset": self.preset, "variant": self.variant, "use_ema": self.use_ema or None,
+                 "dictionary": str(self.dictionary) if self.dictionary else None}
         return {k: v for k, v in hints.items() if v is not None}
 
 

@@ -18,7 +18,6 @@ from export.validate import Tolerance, validate_text, validate_vision
 from models import registry
 from models.checkpoint import Checkpoint
 from models.deit import DeiT
-from models.generate import TextDecoder
 
 # (model, checkpoint, out, opset=, inline=, precision=, verbose=) -> the written path
 Exporter = Callable[..., Path]
@@ -34,7 +33,7 @@ def _validate_vision(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int
 
 def _validate_text(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
                    batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
-    assert isinstance(model, TextDecoder), f"a text export needs a text decoder, got {type(model).__name__}"
+    assert isinstance(model, registry.TextModel), f"a text export needs a text model, got {type(model).__name__}"
     return validate_text(model, out, samples=samples or 100, tolerance=tolerance, phases=phases)
 
 

@@ -16,9 +16,10 @@ from export.fused_check import FUSED_ATOL, compare_fused, cpu_session
 from export.progress import Phases
 from models import onnx_contract as contract
 from models import registry
-from models.generate import TextDecoder, generate
+from models.generate import generate
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 from models.output_function import probabilities as output_probabilities
+from models.registry import TextModel
 from plugins.onnx_reweighting import attribute_problems
 
 LOGITS_ATOL = 1e-4
@@ -225,7 +226,7 @@ def _feed(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: 
     return text_feeds(ids.numpy(), mask.numpy(), positions.numpy(), [(k.numpy(), v.numpy()) for k, v in past])
 
 
-def _text_case(model: TextDecoder, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
+def _text_case(model: TextModel, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
     """A random decoder call: batch 1-8, `past_len` cached tokens (computed by the model), 1-8 new ones.
 
     Rows after the first get random left padding, so masked columns and shifted positions are covered.
@@ -268,7 +269,7 @@ def ort_greedy(session: ort.InferenceSession, prompt: list[int], steps: int, n_l
 
 
 def validate_text(
-    model: TextDecoder,
+    model: TextModel,
     path: Path,
     samples: int = 100,
     max_past: int = 16,
@@ -325,12 +326,16 @@ def validate_text(
             report[name]["probabilities"], bad = probability_stats(model.config.output_function, pairs, tolerance, name)
             failures += bad
     identical = 0
+    vocab = model.config.vocab_size
+    # printable ASCII for the byte vocabulary; past fairseq's four specials for a word vocabulary
+    low, high = (32, 127) if vocab >= 127 else (min(4, vocab - 1), vocab)
     with phases.phase("greedy generation", total=prompts, unit="prompt") as bar:
         session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
         for _ in range(prompts):
-            prompt = [int(v) for v in rng.integers(32, 127, int(rng.integers(1, 17)))]  # printable ASCII
+            prompt = [int(v) for v in rng.integers(low, high, int(rng.integers(1, 17)))]
             ref = generate(model, prompt, gen_tokens, temperature=0)[0]
-            identical += ort_greedy(session, prompt, gen_tokens, n_layer) == ref
+            steps = min(gen_tokens, model.config.block_size - len(prompt))  # as `generate`: within the context
+            identical += ort_greedy(session, prompt, steps, n_layer) == ref
             bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import deit, gpt, registry
+from models import deit, fairseq_checkpoint, fairseq_lm, gpt, registry
 from models.atomic import publish, staging_dir
 from models.loading import CheckpointError, load_exact
 
@@ -29,7 +29,7 @@ ARCHES = registry.names()
 IMAGENET_PREPROCESS = deit.IMAGENET_PREPROCESS
 # The command-line flag of each load hint, for messages.
 HINT_FLAGS = {"num_heads": "--num-heads", "ln_eps": "--ln-eps", "qk_scale": "--qk-scale", "preset": "--preset",
-              "variant": "--variant", "use_ema": "--ema"}
+              "variant": "--variant", "use_ema": "--ema", "dictionary": "--dict"}
 
 
 @dataclass
@@ -84,8 +84,9 @@ def read_file(path: str | os.PathLike[str]) -> Any:
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path}: empty file")
     try:
-        # DeiT's training script stores its argparse.Namespace; building one runs no code.
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        # DeiT's and old fairseq's training scripts store an argparse.Namespace; building one runs no code.
+        # fairseq's omegaconf configs become inert stand-ins (models.fairseq_checkpoint.SAFE_GLOBALS).
+        with torch.serialization.safe_globals([argparse.Namespace, *fairseq_checkpoint.SAFE_GLOBALS]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -114,26 +115,28 @@ def _first_line(text: str) -> str:
 def parse(obj: Any, source: str = "checkpoint", **hints: Any) -> tuple[Checkpoint, dict[str, Any]]:
     """Turn what `read_file` returned into a Checkpoint plus a description of how it was read.
 
-    `hints` go to foreign-layout load hooks (num_heads, ln_eps, preset, variant, use_ema).
+    `hints` go to foreign-layout load hooks (num_heads, ln_eps, preset, variant, use_ema; dictionary for fairseq);
+    the hooks also get `source`, the checkpoint's path (a fairseq model's dict.txt lies beside it).
     """
     if isinstance(obj, dict) and "format" in obj:
-        given = [HINT_FLAGS.get(k, k) for k, v in hints.items() if v is not None and v is not False]
-        if given:  # silently ignoring them would let a user believe they changed the model
-            raise CheckpointError(f"{source}: {', '.join(given)} apply to foreign checkpoints (official / timm DeiT); "
+        flags = [HINT_FLAGS.get(k, k) for k, v in hints.items() if v is not None and v is not False]
+        if flags:  # silently ignoring them would let a user believe they changed the model
+            raise CheckpointError(f"{source}: {', '.join(flags)} apply to foreign checkpoints (official / timm DeiT); "
                                   "this file is in the project's format and stores its config")
         return _parse_own(obj, source)
     arch = registry.for_foreign(obj) if isinstance(obj, dict) and obj else None
     if arch is not None and arch.adapt_checkpoint is not None:
-        config, state_dict, info = arch.adapt_checkpoint(obj, **{k: v for k, v in hints.items() if v is not None})
+        given = {k: v for k, v in hints.items() if v is not None}
+        config, state_dict, info = arch.adapt_checkpoint(obj, source=source, **given)
         ckpt = Checkpoint(
             arch=arch.name,
             config=config.to_dict(),
             state_dict=state_dict,
             labels=None,
-            preprocess=IMAGENET_PREPROCESS | {"image_size": config.img_size, "resize": round(config.img_size / 0.875)},
             meta={"source_layout": info.get("layout")},
+            **arch.foreign_fields(config, info),
         )
-        return ckpt, {"format": info.get("layout", arch.name), **info}
+        return ckpt, {"format": info.get("layout", arch.name), **{k: v for k, v in info.items() if k != "tokenizer"}}
     if isinstance(obj, dict):
         keys = ", ".join(list(map(str, obj))[:5])
         raise CheckpointError(f"{source}: unknown checkpoint layout (top-level keys: {keys or 'none'})")
@@ -161,7 +164,7 @@ def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, 
     return ckpt, {"format": FORMAT}
 
 
-def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig:
+def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig | fairseq_lm.FairseqLMConfig:
     try:
         arch = registry.get(ckpt.arch)
     except KeyError as exc:

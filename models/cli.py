@@ -95,7 +95,7 @@ def parse_scale(text: str) -> float:
 
 def add_load_hints(p: argparse.ArgumentParser) -> None:
     """Flags for foreign checkpoints whose weights do not say everything (official / timm DeiT)."""
-    g = p.add_argument_group("foreign checkpoints (official MultiMax / timm DeiT)")
+    g = p.add_argument_group("foreign checkpoints (official MultiMax / timm DeiT, fairseq language models)")
     g.add_argument("--num-heads", type=int, help="attention heads (not stored in the weights)")
     g.add_argument("--preset", choices=list(deit.DEIT_PRESETS),
                    help="take heads, LayerNorm eps (and attention scale) from a preset")
@@ -104,6 +104,8 @@ def add_load_hints(p: argparse.ArgumentParser) -> None:
                    help="attention scale, e.g. 768**-0.5 (default: head_dim**-0.5)")
     g.add_argument("--variant", choices=VARIANTS, help="MultiMax variant, when the weights cannot tell")
     g.add_argument("--ema", action="store_true", help="load 'model_ema' from a DeiT training checkpoint")
+    g.add_argument("--dict", dest="dictionary", metavar="PATH",
+                   help="a fairseq language model's dict.txt (default: dict.txt beside the checkpoint)")
 
 
 def load_hints(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,6 +116,7 @@ def load_hints(args: argparse.Namespace) -> dict[str, Any]:
         "qk_scale": args.qk_scale,
         "variant": args.variant,
         "use_ema": args.ema or None,
+        "dictionary": args.dictionary,
     }
 
 

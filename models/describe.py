@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from models import deit, gpt, llama, registry
+from models import deit, fairseq_lm, gpt, llama, registry
 from models.attention_function import function_name
 from models.checkpoint import Checkpoint, config_of
 from models.hf_folder import HFFolder
@@ -29,7 +29,7 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
     arch = registry.get(ckpt.arch)
     sizes = {shown: c[key] for shown, key in arch.size_fields if key in c}  # optional fields only where set
     layers = c[arch.depth_key]
-    assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig | llama.LlamaConfig)
+    assert isinstance(config, deit.DeiTConfig | gpt.GPTConfig | llama.LlamaConfig | fairseq_lm.FairseqLMConfig)
     attention_layers = len(config.attention_layers) if isinstance(config, llama.LlamaConfig) else (
         layers if config.multimax_attention else 0)
     return {
@@ -48,6 +48,8 @@ def describe(model: nn.Module, ckpt: Checkpoint, info: dict[str, Any]) -> dict[s
         # the output distribution (models.output_function): softmax, multimax, sparsemax, entmax15 or evsoftmax
         "output": output_function(config.to_dict()),
         "heads_from": info.get("heads_from", "config"),
+        # a foreign checkpoint's reading: where its configuration and dictionary came from (fairseq)
+        "read": {k: info[k] for k in ("config_from", "fairseq_arch", "dictionary") if info.get(k)},
         "parameters": sum(p.numel() for p in model.parameters()),
         "labels": ckpt.labels,
         "preprocess": ckpt.preprocess,
@@ -80,6 +82,7 @@ def format_text(d: dict[str, Any]) -> str:
         ("preset", d["preset"] or "custom"),
         ("sizes", sizes),
         ("heads from", d["heads_from"]),
+        *[(k.replace("_", " "), str(v)) for k, v in d["read"].items()],
         ("multimax", multimax),
         ("attention", _function_text(d["attention"])),
         ("output", d["output"]),

@@ -21,12 +21,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from models.gpt import GPT, KVCache, PastKeyValues
-from models.llama import Llama
+from models.gpt import KVCache, PastKeyValues
 from models.output_function import log_probabilities
+from models.registry import TextModel
 from models.tokenizer import ByteTokenizer
-
-TextDecoder = GPT | Llama  # the text architectures: forward(ids, positions, mask, past) and empty_past(batch)
 
 
 class Detokenizer(Protocol):
@@ -118,7 +116,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
-def _empty_past(model: TextDecoder, batch_size: int) -> tuple[PastKeyValues, torch.device]:
+def _empty_past(model: TextModel, batch_size: int) -> tuple[PastKeyValues, torch.device]:
     """A zero-length cache for `model` and the device it runs on."""
     past = model.empty_past(batch_size)
     return past, past[0][0].device
@@ -126,7 +124,7 @@ def _empty_past(model: TextDecoder, batch_size: int) -> tuple[PastKeyValues, tor
 
 @torch.no_grad()
 def generate(
-    model: TextDecoder,
+    model: TextModel,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 1.0,

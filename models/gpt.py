@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,16 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class CacheShape(Protocol):
+    """What sizes a cache: GPTConfig, or any text model's config (models.fairseq_lm)."""
+
+    n_layer: int
+    n_head: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+
 @dataclass
 class KVCache:
     """Per-layer (key, value), each (B, n_head, length, head_dim); what `GPT.forward` takes and returns."""
@@ -101,7 +111,7 @@ class KVCache:
 
     @classmethod
     def empty(
-        cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device: Any = None
+        cls, config: CacheShape, batch_size: int, dtype: torch.dtype = torch.float32, device: Any = None
     ) -> KVCache:
         """Zero-length past: the prefill then runs the same code path as every decode step (and as ONNX)."""
         shape = (batch_size, config.n_head, 0, config.head_dim)

@@ -19,10 +19,14 @@ from typing import Any, Literal
 
 from torch import nn
 
-from models import deit, gpt, llama
+from models import deit, fairseq_checkpoint, fairseq_lm, gpt, llama
+from models.loading import CheckpointError
 from models.tokenizer import ByteTokenizer
 
 Task = Literal["vision", "text"]
+# The models of the text task: each takes (ids, positions, mask, past) and returns (logits, presents), and its
+# config has vocab_size, block_size, n_layer and output_function; `empty_past(batch)` gives its cache's shape.
+TextModel = gpt.GPT | llama.Llama | fairseq_lm.FairseqLM
 VISION: Task = "vision"
 TEXT: Task = "text"
 
@@ -39,7 +43,9 @@ class Architecture:
     presets: Mapping[str, Mapping[str, Any]]
     depth_key: str  # the config field that counts the transformer blocks
     set_paper_params: Callable[[Any], Any]  # the paper's MultiMax parameters (Tables 7/8), in place
-    adapt_checkpoint: Adapter | None = None  # foreign layouts (official MultiMax / timm), if any
+    adapt_checkpoint: Adapter | None = None  # foreign layouts (official MultiMax / timm / fairseq), if any
+    # what a checkpoint read from a foreign layout stores beside the weights: (config, adapter info) -> fields
+    foreign_fields: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda config, info: {}
     detect: Callable[[Mapping[str, Any]], bool] | None = None  # does a foreign checkpoint dict hold this arch
     # what a new checkpoint of this architecture stores beside the weights (preprocess or tokenizer)
     new_checkpoint_fields: Callable[[], dict[str, Any]] = dict
@@ -111,9 +117,21 @@ def _looks_like_deit(obj: Mapping[str, Any]) -> bool:
     return any(str(k).endswith("patch_embed.proj.weight") for k in obj)
 
 
+def _adapt_deit(obj: Any, source: str = "checkpoint", dictionary: str | None = None,
+                **hints: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    if dictionary is not None:
+        raise CheckpointError(f"{source}: --dict applies to fairseq language models, not to a DeiT checkpoint")
+    return deit.adapt_checkpoint(obj, **hints)
+
+
+def _deit_foreign_fields(config: deit.DeiTConfig, info: dict[str, Any]) -> dict[str, Any]:
+    size = config.img_size
+    return {"preprocess": dict(deit.IMAGENET_PREPROCESS) | {"image_size": size, "resize": round(size / 0.875)}}
+
+
 register(Architecture(
     "deit", VISION, deit.DeiTConfig, deit.DeiT, deit.DEIT_PRESETS, "depth", deit.set_paper_params,
-    adapt_checkpoint=deit.adapt_checkpoint, detect=_looks_like_deit,
+    adapt_checkpoint=_adapt_deit, detect=_looks_like_deit, foreign_fields=_deit_foreign_fields,
     new_checkpoint_fields=lambda: {"preprocess": dict(deit.IMAGENET_PREPROCESS)},
     init_options=("num_classes", "pool"),
     size_fields=(("embed_dim", "embed_dim"), ("depth", "depth"), ("num_heads", "num_heads"),
@@ -134,4 +152,14 @@ register(Architecture(
     size_fields=(("dim", "dim"), ("n_layer", "n_layer"), ("n_head", "n_head"), ("n_local_heads", "n_local_heads"),
                  ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"), ("block_size", "block_size"),
                  ("vocab_size", "vocab_size")),
+))
+register(Architecture(
+    # fairseq's transformer_lm with the official MultiMax files (the paper's WikiText-103 language models)
+    "fairseq_lm", TEXT, fairseq_lm.FairseqLMConfig, fairseq_lm.FairseqLM, fairseq_lm.FAIRSEQ_PRESETS, "n_layer",
+    fairseq_lm.set_paper_params, adapt_checkpoint=fairseq_checkpoint.adapt_checkpoint,
+    detect=fairseq_checkpoint.looks_like_fairseq, foreign_fields=lambda config, info: {"tokenizer": info["tokenizer"]},
+    size_fields=(("n_embd", "n_embd"), ("n_layer", "n_layer"), ("n_head", "n_head"), ("ffn_dim", "ffn_dim"),
+                 ("block_size", "block_size"), ("vocab_size", "vocab_size"), ("normalize_before", "normalize_before"),
+                 ("final_norm", "final_norm"), ("activation", "activation"), ("positions", "positions"),
+                 ("tied", "tied")),
 ))

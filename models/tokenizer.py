@@ -7,7 +7,7 @@ demo language model and a server that must never fail to tokenize want.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 SPECIAL_TOKENS: dict[str, int] = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
 
@@ -88,3 +88,39 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
+
+
+class TextTokenizer(Protocol):
+    """What serving and generation use of a tokenizer: the byte one, or a fairseq dictionary's
+    (`models.fairseq_dict.FairseqTokenizer`). Text is the concatenation of the tokens' bytes."""
+
+    type: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = False) -> list[int]: ...
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def tokenizer_from_dict(d: dict[str, Any]) -> TextTokenizer:
+    """The tokenizer a checkpoint's or an ONNX file's `tokenizer` entry describes (ValueError if none fits)."""
+    if d.get("type") == "hf-tokenizers":
+        from models.fairseq_dict import FairseqTokenizer  # tokenizers is imported only for such models
+
+        return FairseqTokenizer.from_dict(d)
+    return ByteTokenizer.from_dict(d)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import TextTokenizer
 from service.generation import GenSequence, SamplingParams, TokenLogprobs
 
 
@@ -45,7 +45,7 @@ def usage(groups: list[list[GenSequence]]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def token_text(tokenizer: ByteTokenizer, token: int) -> str:
+def token_text(tokenizer: TextTokenizer, token: int) -> str:
     """A token as OpenAI's logprobs name it: its text, or `bytes:\\xNN` for a byte that is not a whole UTF-8
     character; special tokens by name."""
     data = tokenizer.decode_bytes([token])
@@ -57,7 +57,7 @@ def token_text(tokenizer: ByteTokenizer, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def offsets(tokenizer: ByteTokenizer, tokens: Sequence[int]) -> list[int]:
+def offsets(tokenizer: TextTokenizer, tokens: Sequence[int]) -> list[int]:
     """Character offset in the decoded text where each token starts (a byte inside a character counts from
     the character's end, as only whole characters are text)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -68,7 +68,7 @@ def offsets(tokenizer: ByteTokenizer, tokens: Sequence[int]) -> list[int]:
     return out
 
 
-def logprobs_object(tokenizer: ByteTokenizer, tokens: Sequence[int], lps: TokenLogprobs, start: int = 0,
+def logprobs_object(tokenizer: TextTokenizer, tokens: Sequence[int], lps: TokenLogprobs, start: int = 0,
                     end: int | None = None) -> dict[str, Any]:
     """OpenAI's `choices[i].logprobs` for tokens[start:end] (offsets count from the start of `tokens`)."""
     end = len(tokens) if end is None else end
@@ -91,7 +91,7 @@ def echoed(seq: GenSequence, echo: bool) -> tuple[list[int], TokenLogprobs]:
                                                   prompt.top + seq.logprobs.top)
 
 
-def choice(tokenizer: ByteTokenizer, seq: GenSequence, index: int, echo: bool, logprobs: bool) -> dict[str, Any]:
+def choice(tokenizer: TextTokenizer, seq: GenSequence, index: int, echo: bool, logprobs: bool) -> dict[str, Any]:
     """One whole (non-streamed) choice."""
     tokens, lps = echoed(seq, echo)
     return {"index": index, "text": tokenizer.decode(tokens),

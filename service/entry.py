@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from models import registry as architectures
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import TextTokenizer
 from service.backends.base import Backend
 from service.vision import Preprocess
 
@@ -37,7 +37,7 @@ class ModelEntry:
     tokenizer: dict[str, Any] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     preprocessor: Preprocess | None = None  # built from `preprocess` when the model is loaded (validates it)
-    byte_tokenizer: ByteTokenizer | None = None  # likewise from `tokenizer`
+    byte_tokenizer: TextTokenizer | None = None  # likewise from `tokenizer`
     version: int = 1  # Triton's layout: name/<version>/model.onnx; a plain file is version 1
     source: Path | None = None  # the file it was loaded from
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # its files' (path, mtime, size) when it was loaded

@@ -31,7 +31,7 @@ import torch
 
 from models.generate import NonFiniteLogits, sample_token, stop_match
 from models.output_function import ZERO_LOGPROB, log_probabilities
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import TextTokenizer
 from service import kvcache
 from service.backends.base import Past, TextModel
 from service.errors import ServiceError
@@ -160,7 +160,7 @@ class TextStream:
     """Incremental detokenizer for streaming: whole UTF-8 characters only, and no byte that might still
     turn out to be the start of a stop sequence (it is sent once the next tokens rule the stop out)."""
 
-    def __init__(self, tokenizer: ByteTokenizer, stops: Sequence[bytes]) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stops: Sequence[bytes]) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -198,7 +198,7 @@ class TextScheduler:
         self,
         model: str,
         backend: TextModel,
-        tokenizer: ByteTokenizer,
+        tokenizer: TextTokenizer,
         context_length: int,
         executor: Executor,
         metrics: Metrics,

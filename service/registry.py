@@ -21,7 +21,7 @@ from models import registry as architectures
 from models.checkpoint import Checkpoint
 from models.labels import index_labels
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import tokenizer_from_dict
 from service.backends.base import Backend, BackendUnavailable
 from service.backends.checks import check_context, check_io
 from service.config import Settings
@@ -196,7 +196,7 @@ def _validate_vision(entry: ModelEntry, source: str) -> None:
 
 def _validate_text(entry: ModelEntry, source: str) -> None:
     try:
-        entry.byte_tokenizer = ByteTokenizer.from_dict(entry.tokenizer or {})
+        entry.byte_tokenizer = tokenizer_from_dict(entry.tokenizer or {})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
     _positive_int(entry.config, "block_size", source)

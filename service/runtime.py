@@ -13,7 +13,7 @@ import torch
 
 from models.output_function import probabilities
 from models.registry import TEXT, VISION, Task
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import tokenizer_from_dict
 from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
@@ -133,7 +133,7 @@ class TextRuntime(_Runtime):
         assert isinstance(entry.backend, TextBackend), "a text model's backend runs text"
         assert entry.context_length is not None
         self.backend: TextBackend = entry.backend
-        self.tokenizer = entry.byte_tokenizer or ByteTokenizer.from_dict(entry.tokenizer or {})
+        self.tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
         self.context_length: int = entry.context_length
         self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
                                                      executor, metrics, settings.max_running_sequences,

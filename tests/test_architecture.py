@@ -41,14 +41,15 @@ def test_contract_names_and_metadata_round_trip() -> None:
 
 
 def test_registry_answers_for_every_architecture() -> None:
-    assert registry.names() == ("deit", "gpt", "llama")
-    assert {a: registry.task_of(a) for a in registry.names()} == {"deit": "vision", "gpt": "text", "llama": "text"}
+    assert registry.names() == ("deit", "gpt", "llama", "fairseq_lm")
+    assert {a: registry.task_of(a) for a in registry.names()} == {"deit": "vision", "gpt": "text", "llama": "text",
+                                                                "fairseq_lm": "text"}
     arch = registry.for_preset("gpt-nano")
     assert arch is not None and arch.name == "gpt"
     model = arch.model(arch.preset_config("gpt-nano"))
     assert isinstance(model, arch.model_cls)
     assert registry.for_preset("resnet50") is None
-    with pytest.raises(KeyError, match="known: deit, gpt, llama"):
+    with pytest.raises(KeyError, match="known: deit, gpt, llama, fairseq_lm"):
         registry.get("resnet")
     with pytest.raises(ValueError, match="registered already"):
         registry.register(registry.get("deit"))

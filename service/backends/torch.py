@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from torch import nn
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
-from models.gpt import GPTConfig, KVCache
+from models.gpt import KVCache
 from models.loading import CheckpointError, check_keys
 from plugins.reweight_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
@@ -24,13 +25,17 @@ log = logging.getLogger(__name__)
 _threads_lock = threading.Lock()
 
 
+_LAYER_KEY = re.compile(r"^(?:blocks|decoder\.layers)\.(\d+)\.")
+
+
 def check_sizes(ckpt: Checkpoint, source: str) -> None:
     """The config must describe exactly the weights, checked before any real memory is allocated: a config
     that claims more layers than the file holds is refused from the keys alone, then the model is built on
     torch's meta device (shapes without storage) and every weight's shape compared."""
     arch = architectures.get(ckpt.arch)
     depth_key = arch.depth_key
-    layers = {k.split(".")[1] for k in ckpt.state_dict if k.startswith("blocks.") and k.count(".") > 1}
+    # the numbered blocks: `blocks.{i}.` (DeiT, GPT) or fairseq's `decoder.layers.{i}.`
+    layers = {m.group(1) for k in ckpt.state_dict if (m := _LAYER_KEY.match(k))}
     claimed = ckpt.config.get(depth_key)
     if not isinstance(claimed, int) or claimed != len(layers):
         raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {len(layers)} layers")
@@ -109,7 +114,8 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         return logits.float().cpu().numpy()
 
     def empty_past(self, batch: int) -> Past:
-        return KVCache.empty(GPTConfig.from_dict(self.config), batch, device=self.device).layers
+        config = architectures.get(self.checkpoint.arch).config(self.config)  # GPT's or fairseq's: both size a cache
+        return KVCache.empty(config, batch, device=self.device).layers
 
 
 def TorchBackend(
