@@ -40,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,2,8")
     p.add_argument("--labels", type=Path, metavar="FILE", help="class names for a vision model: one a line, a JSON "
                    "list or an ImageNet class index (replaces those the checkpoint stores)")
-    p.add_argument("--dict", dest="dictionary", metavar="PATH",
-                   help="a fairseq language model's dict.txt (default: dict.txt beside the checkpoint)")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
     precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
