@@ -6,7 +6,6 @@ without the library are held to the variant's limit. A path the CPU has is never
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,6 @@ from models.onnx_contract import VISION_INPUT
 from plugins import ort_ops
 
 ISAS = ("portable", "avx2", "avx512")
-
-
-@pytest.fixture(scope="module")
-def lib() -> ort_ops.Library:
-    found = ort_ops.library()
-    if not found.available:
-        if os.environ.get("MULTIMAX_REQUIRE_ORT_OPS") == "1":
-            pytest.fail(f"fused MultiMax ops required but unavailable: {found.reason}")
-        pytest.skip(f"fused MultiMax ops unavailable: {found.reason}")
-    return found
 
 
 @pytest.fixture(scope="module")

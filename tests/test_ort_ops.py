@@ -39,16 +39,6 @@ LENGTHS = (1, 7, 17, 197, 1024, 4099)  # below, across and at multiples of the 4
 MIN = float(np.finfo(np.float32).min)
 
 
-@pytest.fixture(scope="module")
-def lib() -> ort_ops.Library:
-    found = ort_ops.library()
-    if not found.available:
-        if os.environ.get("MULTIMAX_REQUIRE_ORT_OPS") == "1":
-            pytest.fail(f"fused MultiMax ops required but unavailable: {found.reason}")
-        pytest.skip(f"fused MultiMax ops unavailable: {found.reason}")
-    return found
-
-
 @pytest.fixture
 def fresh_library() -> Iterator[None]:
     """library() is cached per process: forget it around tests that change the environment."""

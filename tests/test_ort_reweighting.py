@@ -23,7 +23,7 @@ from models.onnx_contract import REWEIGHTING_OPS
 from plugins import ort_ops
 from plugins.ort_ops.graphs import reweighting_model, reweighting_scores_model
 from plugins.reweight_kernel_cases import ATTRS
-from tests.test_ort_ops import lib, session  # noqa: F401  (the fixture, and the session helper)
+from tests.test_ort_ops import session
 
 MIN = float(np.finfo(np.float32).min)
 HEADS = 3
@@ -80,7 +80,7 @@ def check(got: np.ndarray, want: np.ndarray, mask: np.ndarray | None, where: str
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("name", list(REWEIGHTING_OPS))
 def test_fused_op_matches_reference_and_body(
-    lib: ort_ops.Library,  # noqa: F811
+    lib: ort_ops.Library,
     name: str,
     isa: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -112,7 +112,7 @@ def test_fused_op_matches_reference_and_body(
         assert ort_ops.run_counts()[0] > runs_before, f"{op}{suffix}: the fused kernel did not run"
 
 
-def test_sparse_functions_are_sparse_and_topk_keeps_ties(lib: ort_ops.Library) -> None:  # noqa: F811
+def test_sparse_functions_are_sparse_and_topk_keeps_ties(lib: ort_ops.Library) -> None:
     """Closed forms on small rows: SparseMax([1, 0.5, -1]) = [0.75, 0.25, 0]; top-2 of [3, 1, 3, 3] keeps the
     three tied 3s; Ev-SoftMax drops the entries below the mean."""
     run = lambda op, x, **a: session(reweighting_model(op, a), True).run(None, {"x": np.float32([x])})[0][0]  # noqa: E731
@@ -124,7 +124,7 @@ def test_sparse_functions_are_sparse_and_topk_keeps_ties(lib: ort_ops.Library) -
     np.testing.assert_allclose(ent, [0.5, 0.5], atol=1e-7)
 
 
-def test_per_head_parameters_follow_axis_1(lib: ort_ops.Library) -> None:  # noqa: F811
+def test_per_head_parameters_follow_axis_1(lib: ort_ops.Library) -> None:
     """Head h of x (B, 3, T, S) uses offset[h] / scale[h]: the same scores in every head give different rows."""
     attrs = ATTRS["gaussian"]
     x = np.repeat(np.random.default_rng(0).standard_normal((1, 1, 4, 9)).astype(np.float32), HEADS, 1)
@@ -152,12 +152,12 @@ BAD_ATTRS = [
 @pytest.mark.parametrize(
     ("op", "attrs", "message"), BAD_ATTRS, ids=[f"{o}-{i}" for i, (o, _, _) in enumerate(BAD_ATTRS)]
 )
-def test_bad_attributes_fail_session_creation(lib: ort_ops.Library, op: str, attrs: dict, message: str) -> None:  # noqa: F811
+def test_bad_attributes_fail_session_creation(lib: ort_ops.Library, op: str, attrs: dict, message: str) -> None:
     with pytest.raises(Exception, match=re.escape("multimax: " + message)):
         session(reweighting_model(op, attrs), True)
 
 
-def test_head_count_mismatch_fails_at_creation_or_run_and_the_session_survives(lib: ort_ops.Library) -> None:  # noqa: F811
+def test_head_count_mismatch_fails_at_creation_or_run_and_the_session_survives(lib: ort_ops.Library) -> None:
     attrs = ATTRS["gaussian"]  # 3 heads
     with pytest.raises(
         Exception, match=r"multimax: attributes 'offset'/'scale' hold 3 per-head values.*\(2, 4, 5, 6\)"
@@ -173,7 +173,7 @@ def test_head_count_mismatch_fails_at_creation_or_run_and_the_session_survives(l
 
 
 @pytest.mark.parametrize("op", sorted(FUSED_OPS))
-def test_output_takes_the_input_buffer(lib: ort_ops.Library, op: str) -> None:  # noqa: F811
+def test_output_takes_the_input_buffer(lib: ort_ops.Library, op: str) -> None:
     """scores -> Mul -> op -> Mul: the op's output is planned into x's buffer and the result equals the body's."""
     name = next(n for n, o in REWEIGHTING_OPS.items() if op.removesuffix("NoMask") == o)
     model = reweighting_scores_model(op, ATTRS.get(name, {}), heads=HEADS)
@@ -188,7 +188,7 @@ def test_output_takes_the_input_buffer(lib: ort_ops.Library, op: str) -> None:  
     np.testing.assert_allclose(got, body.run(None, feed)[0], atol=2e-6, err_msg=op)
 
 
-def test_every_contract_op_is_fused(lib: ort_ops.Library) -> None:  # noqa: F811
+def test_every_contract_op_is_fused(lib: ort_ops.Library) -> None:
     """The library registers every op type of the contract (so no model falls back to a body unannounced)."""
     options = ort.SessionOptions()
     ort_ops.register(options)
@@ -222,7 +222,7 @@ def sort_based(z: np.ndarray, ent: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("op", ["SparseMaxNoMask", "EntMax15NoMask"])
-def test_sparse_ops_match_the_sort_based_definition_at_every_spread(lib: ort_ops.Library, op: str) -> None:  # noqa: F811
+def test_sparse_ops_match_the_sort_based_definition_at_every_spread(lib: ort_ops.Library, op: str) -> None:
     """Rows from near-uniform (every entry a candidate, many Newton steps) to peaked, against float64 sorting."""
     rng = np.random.default_rng(11)
     fused = session(reweighting_model(op, {}), True)
@@ -242,7 +242,7 @@ def rows_at_their_mean(rng: np.random.Generator, rows: int, n: int) -> np.ndarra
     return x
 
 
-def test_evsoftmax_keeps_the_same_entries_in_reference_body_and_fused_ops(lib: ort_ops.Library) -> None:  # noqa: F811
+def test_evsoftmax_keeps_the_same_entries_in_reference_body_and_fused_ops(lib: ort_ops.Library) -> None:
     """Ev-SoftMax's cut at the row mean is a discontinuity: an entry at the mean is kept with a whole weight or
     dropped. Every implementation takes the mean in float64 (exact here), so all three agree entry by entry."""
     x = rows_at_their_mean(np.random.default_rng(0), 400, 197)
@@ -256,7 +256,7 @@ def test_evsoftmax_keeps_the_same_entries_in_reference_body_and_fused_ops(lib: o
             np.testing.assert_allclose(got, w, atol=2e-6, rtol=0, err_msg=f"{op} fused={fused}")
 
 
-def test_fused_check_holds_cut_functions_to_the_logits_limit(lib: ort_ops.Library, tmp_path: Path) -> None:  # noqa: F811
+def test_fused_check_holds_cut_functions_to_the_logits_limit(lib: ort_ops.Library, tmp_path: Path) -> None:
     """Models with Ev-SoftMax or top-k nodes get the logits' limit (upstream rounding can move an entry across the
     cut in a whole model); the others keep the fused check's own 1e-5, and the summary says which applied."""
     x = {"x": np.random.default_rng(1).standard_normal((4, 9)).astype(np.float32)}
