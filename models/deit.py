@@ -15,12 +15,13 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from models.attention_function import config_dict, make_attention_function, normalise_config
+from models.config_base import ModelConfig
 from models.loading import CheckpointError, check_keys, load_exact, strip_prefixes
 from models.multimax import (
     PAPER_TABLE_7,
@@ -48,7 +49,8 @@ IMAGENET_PREPROCESS: dict[str, Any] = {
 
 
 @dataclass
-class DeiTConfig:
+class DeiTConfig(ModelConfig):
+    KIND: ClassVar[str] = "DeiT"
     img_size: int = 224
     patch_size: int = 16
     in_chans: int = 3
@@ -104,10 +106,8 @@ class DeiTConfig:
         return int(self.embed_dim * self.mlp_ratio)  # timm's rounding
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> DeiTConfig:
-        if name not in DEIT_PRESETS:
-            raise ValueError(f"unknown DeiT preset {name!r}; known presets: {', '.join(DEIT_PRESETS)}")
-        return cls.from_dict({**DEIT_PRESETS[name], **overrides})
+    def presets(cls) -> Mapping[str, Mapping[str, Any]]:
+        return DEIT_PRESETS
 
     def to_dict(self) -> dict[str, Any]:
         d = config_dict(dataclasses.asdict(self))
@@ -115,13 +115,6 @@ class DeiTConfig:
             del d["qk_scale"]
         return d
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DeiTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown DeiTConfig field(s): {', '.join(unknown)}")
-        return cls(**d)
 
 
 # MULTIMAX.md table; the rest (official layout: avg pool, no qkv bias, MultiMax on) are the defaults. The vit_*

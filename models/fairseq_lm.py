@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any, cast
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .config_base import ModelConfig
 from .gpt import KV, PastKeyValues, build_attention_mask
 from .multimax import PAPER_TABLE_8, attention_probs, modulate, paper_params
 
@@ -29,7 +30,8 @@ POSITIONS = ("sinusoidal", "learned", "none")
 
 
 @dataclass
-class FairseqLMConfig:
+class FairseqLMConfig(ModelConfig):
+    KIND: ClassVar[str] = "fairseq LM"
     vocab_size: int = 8
     block_size: int = 512  # fairseq's max_target_positions
     n_layer: int = 2
@@ -88,19 +90,10 @@ class FairseqLMConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FairseqLMConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown FairseqLMConfig field(s): {', '.join(unknown)}")
-        return cls(**d)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> FairseqLMConfig:
-        if name not in FAIRSEQ_PRESETS:
-            raise ValueError(f"unknown fairseq LM preset {name!r}; known presets: {', '.join(FAIRSEQ_PRESETS)}")
-        return cls.from_dict({**FAIRSEQ_PRESETS[name], **overrides})
+    def presets(cls) -> Mapping[str, Mapping[str, Any]]:
+        return FAIRSEQ_PRESETS
 
 
 # No presets: a fairseq LM's shape, switches and vocabulary all come from its checkpoint's configuration and

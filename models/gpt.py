@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol, cast
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
 from .loading import CheckpointError, load_exact, strip_prefixes
@@ -27,7 +29,8 @@ PastKeyValues = list[KV]
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(ModelConfig):
+    KIND: ClassVar[str] = "GPT"
     vocab_size: int = 259  # ByteTokenizer: 256 bytes + bos, eos, pad
     block_size: int = 256  # maximum context (learned position table size)
     n_layer: int = 4
@@ -62,21 +65,12 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
-        if name not in GPT_PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; known presets: {', '.join(GPT_PRESETS)}")
-        return cls.from_dict({**GPT_PRESETS[name], **overrides})
+    def presets(cls) -> Mapping[str, Mapping[str, Any]]:
+        return GPT_PRESETS
 
     def to_dict(self) -> dict[str, Any]:
         return config_dict(asdict(self))
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig field(s): {', '.join(unknown)}")
-        return cls(**d)
 
 
 # Named shapes (overrides of the GPTConfig defaults). "gpt-lm-6" is the paper's WikiText-103 LM shape

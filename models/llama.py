@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any, cast
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
 from .gpt import PastKeyValues, _tracing, build_attention_mask
@@ -35,7 +37,8 @@ SEGLU_VARIANTS = ("second", "first")  # V2's affine t, b has no place in the Seg
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(ModelConfig):
+    KIND: ClassVar[str] = "Llama"
     flavor: str = "llama"
     vocab_size: int = 32000
     block_size: int = 2048  # the context: Hugging Face's max_position_embeddings
@@ -95,21 +98,12 @@ class LlamaConfig:
         return list(range(self.n_layer)) if self.multimax_layers is None else list(self.multimax_layers)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        if name not in LLAMA_PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; known presets: {', '.join(LLAMA_PRESETS)}")
-        return cls.from_dict({**LLAMA_PRESETS[name], **overrides})
+    def presets(cls) -> Mapping[str, Mapping[str, Any]]:
+        return LLAMA_PRESETS
 
     def to_dict(self) -> dict[str, Any]:
         return config_dict(asdict(self))
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LlamaConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown LlamaConfig field(s): {', '.join(unknown)}")
-        return cls(**d)
 
 
 # Named shapes. The "-tiny" ones are test sizes; the others are the shapes (not the weights) of public models.
