@@ -16,6 +16,7 @@ from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.training.digit_inputs import VARIANTS, variant_accuracies
+from models.training.drawn_digits import drawn_accuracy
 from models.training.fingerprint import training_fingerprint
 from models.training.text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
 from models.training.vision import accuracy, digits_8x8_split, digits_split, train_vision
@@ -23,6 +24,8 @@ from models.training.vision import accuracy, digits_8x8_split, digits_split, tra
 ROOT = Path(__file__).resolve().parents[1]
 # 97% on every kind of input (350 of 360 held-out digits; README, Demo models).
 MIN_ACCURACY = 0.97
+# 95% on digits drawn in a paint program (950 of the 1000 drawings of models.training.drawn_digits).
+MIN_DRAWN_ACCURACY = 0.95
 SHIPPED_REPORT = json.loads((DEMO_DIR / "report.json").read_text())
 
 
@@ -56,7 +59,18 @@ def test_shipped_digits_models_recognise_every_kind_of_input(name: str) -> None:
     measured = variant_accuracies(model, x8, y)
     assert set(measured) == set(VARIANTS)
     assert all(measured[v] >= MIN_ACCURACY for v in VARIANTS), measured
-    assert measured == pytest.approx(ckpt.meta["metrics"]["heldout_accuracy_by_input"], abs=1e-6)
+    stored = ckpt.meta["metrics"]["heldout_accuracy_by_input"]
+    assert measured == pytest.approx({v: stored[v] for v in VARIANTS}, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", [VISION_MULTIMAX, VISION_SOFTMAX])
+def test_shipped_digits_models_read_digits_drawn_in_a_paint_program(name: str) -> None:
+    """Pen strokes of many widths, slants and styles on 28-300 px canvases (models.training.drawn_digits), as
+    measured now and as stored in the checkpoint (the README's table)."""
+    model, ckpt, _ = load(DEMO_DIR / name)
+    measured = drawn_accuracy(model)
+    assert measured >= MIN_DRAWN_ACCURACY
+    assert measured == pytest.approx(ckpt.meta["metrics"]["heldout_accuracy_by_input"]["drawn"], abs=1e-6)
 
 
 def test_shipped_text_model_bits_per_byte_and_english_like_samples() -> None:
@@ -88,10 +102,10 @@ def test_vision_training_is_reproducible_by_seed_and_learns() -> None:
     b = train_vision(epochs=1, seed=3, progress=False)
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
-    # Six epochs of the full recipe (augmentation included) are past chance (10%, loss ln 10 = 2.30): 24% and
-    # 2.08 when measured; the full 120 epochs are what the shipped models and the slow test prove.
+    # Six epochs of the full recipe (augmentation and drawings included) are past chance (10%, loss ln 10 = 2.30):
+    # 21% and 2.19 when measured; the full 120 epochs are what the shipped models and the slow test prove.
     metrics = train_vision(epochs=6, seed=3, progress=False)["metrics"]
-    assert metrics["heldout_accuracy"] >= 0.18 and metrics["final_loss"] < 2.2, metrics
+    assert metrics["heldout_accuracy"] >= 0.18 and metrics["final_loss"] < 2.25, metrics
 
 
 def test_text_training_is_reproducible_by_seed_and_learns() -> None:
@@ -116,6 +130,7 @@ def test_vision_retraining_reaches_the_accuracy_by_input_with_softmax_twin() -> 
     for places in (("attention", "output"), ()):
         by_input = train_vision(multimax=places, progress=False)["metrics"]["heldout_accuracy_by_input"]
         assert all(by_input[v] >= MIN_ACCURACY for v in VARIANTS), (places, by_input)
+        assert by_input["drawn"] >= MIN_DRAWN_ACCURACY, (places, by_input)
 
 
 @pytest.mark.slow

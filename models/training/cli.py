@@ -120,6 +120,17 @@ def cmd_plot_simplex(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_drawn(args: argparse.Namespace) -> int:
+    from models.training.drawn_digits import sample_grid
+
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent}: no such directory")
+    sample_grid(str(out))
+    print(f"wrote {out} (the first 10 drawings of each digit in the drawn test set)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), rebuild=args.rebuild)
 
@@ -166,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot-simplex", help="every reweighting function on the same inputs (paper Figure 1)")
     p.add_argument("-o", "--output", default="docs/reweighting_simplex.png")
     p.set_defaults(func=cmd_plot_simplex)
+
+    p = sub.add_parser("plot-drawn", help="a grid of the drawn test digits (models.training.drawn_digits)")
+    p.add_argument("-o", "--output", default="docs/drawn_digits.png")
+    p.set_defaults(func=cmd_plot_drawn)
 
     p = sub.add_parser("demo", help="classify held-out digits and generate text with the demo models")
     p.add_argument("--dir", default=str(DEMO_DIR), help="where the demo checkpoints live")

@@ -28,7 +28,8 @@ def vision_checkpoint(result: dict[str, Any]) -> Checkpoint:
         result["state_dict"],
         labels=result["labels"],
         preprocess=result["preprocess"],
-        meta={"metrics": result["metrics"], "trained_on": "scikit-learn digits (upscaled to 32x32)"},
+        meta={"metrics": result["metrics"],
+              "trained_on": "scikit-learn digits (upscaled to 32x32) and digits drawn from stroke paths"},
     )
 
 
@@ -90,11 +91,13 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
     from models.generate import generate
     from models.gpt import GPT
     from models.tokenizer import ByteTokenizer
+    from models.training.drawn_digits import TEST_SIZE, drawn_accuracy
     from models.training.vision import accuracy, digits_split, normalize
 
     ensure_demos(demo_dir, rebuild)
     _, _, x_test, y_test = digits_split(seed=0)
-    print(f"image classification: {len(y_test)} held-out digits (scikit-learn, upscaled to 32x32)")
+    print(f"image classification: {len(y_test)} held-out digits (scikit-learn, upscaled to 32x32), "
+          f"{TEST_SIZE} drawn in a paint program")
     for name in (VISION_MULTIMAX, VISION_SOFTMAX):
         model, ckpt, _ = load(demo_dir / name)
         assert isinstance(model, DeiT) and ckpt.labels is not None
@@ -104,7 +107,8 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
         with torch.no_grad():
             probs = torch.softmax(model(normalize(x_test[:5])), -1)
         top = [f"{ckpt.labels[int(i)]}({float(p):.2f})" for p, i in zip(*probs.max(-1), strict=True)]
-        print(f"  {name:<20} accuracy {acc:.2%}  ({ms:.2f} ms/image)  first 5: {' '.join(top)}")
+        drawn = drawn_accuracy(model)
+        print(f"  {name:<20} accuracy {acc:.2%}  drawn {drawn:.2%}  ({ms:.2f} ms/image)  first 5: {' '.join(top)}")
     print(f"  true labels of the first 5: {' '.join(str(int(y)) for y in y_test[:5])}")
 
     model, ckpt, _ = load(demo_dir / TEXT_MULTIMAX)

@@ -20,7 +20,8 @@ import torch
 MODELS = Path(__file__).resolve().parents[1]
 # The modules whose code decides the trained weights, per kind (paths relative to models/).
 SOURCES = {
-    "vision": ("training/vision.py", "training/digit_inputs.py", "training/optim.py", "deit.py", "multimax.py"),
+    "vision": ("training/vision.py", "training/digit_inputs.py", "training/drawn_digits.py",
+               "training/optim.py", "deit.py", "multimax.py"),
     "text": ("training/text.py", "training/optim.py", "gpt.py", "multimax.py", "tokenizer.py"),
 }
 
