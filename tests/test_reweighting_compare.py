@@ -20,7 +20,7 @@ def test_compare_writes_resumable_results_and_a_table(tmp_path: Path, capsys: py
     args = ["compare", "--epochs", "1", "--functions", "softmax,sparsemax,topk_softmax", "-o", str(results), "--quiet"]
     assert main([*args, "--checkpoints", str(ckpts)]) == 0
     data = json.loads(results.read_text())
-    assert data["recipe"] == {"epochs": 1, "seed": 0, "threads": 1}
+    assert data["recipe"] == {"epochs": 1, "seed": 0, "drawn_per_batch": 24, "threads": 1}
     assert list(data["results"]) == ["softmax", "sparsemax", "topk_softmax"]
     soft, sparse, topk = (data["results"][n] for n in ("softmax", "sparsemax", "topk_softmax"))
     # another budget than the shipped twin's: the softmax run is trained here too, not read from the demo
@@ -48,6 +48,19 @@ def test_the_shipped_twin_stands_in_for_its_own_recipe_only(tmp_path: Path) -> N
     soft = json.loads(results.read_text())["results"]["softmax"]
     assert soft["trained"] == "shipped (models/demo/digits_softmax.pt)" and soft["heldout_accuracy"] > 0.95
     assert "cpu_seconds" not in soft  # the shipped twin's CPU time is unknown
+
+
+def test_results_of_the_recipe_before_drawn_digits_are_not_mixed_with_the_current_one() -> None:
+    """The tracked results predate the drawn digits (drawn_per_batch 0); the shipped twins were retrained with them,
+    so neither may stand in for the other, and a run of the current recipe never resumes into that file."""
+    from models.training import compare as cmp
+
+    tracked = json.loads((Path(__file__).resolve().parents[1] / "docs/reweighting_results.json").read_text())
+    assert tracked["recipe"]["drawn_per_batch"] == 0
+    now = cmp._recipe(None, 0)
+    assert now["drawn_per_batch"] == 24 and not cmp._same_budget(tracked, now)
+    assert not cmp._same_budget({"recipe": {"epochs": 120, "seed": 0}}, now)  # written before the field existed
+    assert cmp._shipped_recipe("softmax") == {"epochs": 120, "seed": 0, "drawn_per_batch": 24}
 
 
 def test_extra_seeds_train_every_function_again_and_the_table_gives_their_spread(

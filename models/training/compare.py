@@ -82,12 +82,31 @@ def attention_metrics(model: DeiT, images: torch.Tensor, batch_size: int = 120) 
     return {k: sums[k] / max(counts[k], 1) for k in sums}
 
 
+def _drawn_per_batch() -> int:
+    """The current demo recipe's drawings per batch (train_vision's default; 0: the recipe before drawn digits)."""
+    import inspect
+
+    from models.training.vision import train_vision
+
+    return int(inspect.signature(train_vision).parameters["drawn_per_batch"].default)
+
+
 def _recipe(epochs: int | None, seed: int) -> dict[str, Any]:
-    return {"epochs": epochs or 120, "seed": seed, "threads": torch.get_num_threads()}
+    return {"epochs": epochs or 120, "seed": seed, "drawn_per_batch": _drawn_per_batch(),
+            "threads": torch.get_num_threads()}
 
 
 def _same_budget(data: dict[str, Any], recipe: dict[str, Any]) -> bool:
-    return all(data.get("recipe", {}).get(k) == recipe[k] for k in ("epochs", "seed"))
+    """Results of another budget or training recipe are never mixed (results without `drawn_per_batch` predate it)."""
+    held = data.get("recipe", {})
+    return all(held.get(k, 0 if k == "drawn_per_batch" else None) == recipe[k]
+               for k in ("epochs", "seed", "drawn_per_batch"))
+
+
+def _shipped_recipe(name: str) -> dict[str, Any]:
+    report = json.loads((DEMO_DIR / "report.json").read_text()).get(SHIPPED[name], {})
+    return {"epochs": report.get("epochs"), "seed": report.get("seed"),
+            "drawn_per_batch": report.get("drawn_per_batch", 0)}
 
 
 @contextmanager
@@ -218,7 +237,9 @@ def compare(
                 print(f"{name} (seed {run_seed}): done before, kept ({results})", flush=True)
                 continue
             began = time.perf_counter()
-            if main and name in SHIPPED and not retrain_twins and recipe["epochs"] == 120 and seed == 0:
+            # the shipped twins stand in only for their own recipe
+            shipped = _shipped_recipe(name) if name in SHIPPED else None
+            if main and shipped is not None and not retrain_twins and all(recipe[k] == v for k, v in shipped.items()):
                 entry = _shipped(name, x_test, y_test)
             else:
                 file = f"digits_{name}.pt" if main else f"digits_{name}_seed{run_seed}.pt"
