@@ -16,11 +16,10 @@ from models.onnx_contract import REWEIGHTING_OPS
 from models.reweighting import OTHER_FUNCTIONS
 from plugins import ort_ops
 from plugins.ort_ops.graphs import scores_model
-from tests.test_ort_ops import lib  # noqa: F401  (the fixture)
 
 
 @pytest.fixture
-def twin(lib: ort_ops.Library, tmp_path: Path) -> Path:  # noqa: F811  (lib: skips or fails without the library)
+def twin(lib: ort_ops.Library, tmp_path: Path) -> Path:  # lib: skips or fails without the library
     path = tmp_path / "twin.onnx"
     path.write_bytes(scores_model("Softmax", *paper_params(0), heads=6))  # scores (B, 6, T, T) -> Softmax
     return path
