@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config_base import ModelConfig
-from .gpt import KV, PastKeyValues, build_attention_mask
+from .gpt import KV, PastKeyValues, build_attention_mask, empty_past, past_and_positions
 from .multimax import PAPER_TABLE_8, attention_probs, modulate, paper_params
 
 ACTIVATIONS = ("relu", "gelu", "gelu_accurate", "tanh", "linear", "swish")
@@ -259,9 +259,7 @@ class FairseqLM(nn.Module):
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache as `forward` takes it: per layer (key, value) of (B, n_head, 0, head_dim)."""
         weight, c = self.decoder.embed_tokens.weight, self.config
-        shape = (batch_size, c.n_head, 0, c.head_dim)
-        empty = torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device)
-        return [(empty, empty.clone()) for _ in range(c.n_layer)]
+        return empty_past(c.n_layer, c.n_head, c.head_dim, batch_size, dtype or weight.dtype, device or weight.device)
 
     def forward(
         self,
@@ -272,13 +270,9 @@ class FairseqLM(nn.Module):
     ) -> tuple[Tensor, PastKeyValues]:
         """input_ids (B, T); position_ids default to past_len..past_len+T-1 (0-based, without fairseq's offset);
         attention_mask (B, past_len + T) with 1 for real tokens."""
-        B, T = input_ids.shape
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:
-            if attention_mask is not None:  # left-padded rows count from their first real token, as fairseq's
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-            else:
-                position_ids = torch.arange(past_len, past_len + T, device=input_ids.device).expand(B, T)
+        T = input_ids.shape[1]
+        # no context check here: as before (left-padded rows count from their first real token, as fairseq's)
+        past_len, position_ids = past_and_positions(input_ids, position_ids, attention_mask, past_key_values, None)
         dtype = self.decoder.embed_tokens.weight.dtype
         mask = build_attention_mask(T, past_len, attention_mask, dtype, input_ids.device)
         return cast(tuple[Tensor, PastKeyValues], self.decoder(input_ids, position_ids, mask, past_key_values))

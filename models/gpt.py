@@ -108,15 +108,47 @@ class KVCache:
         cls, config: CacheShape, batch_size: int, dtype: torch.dtype = torch.float32, device: Any = None
     ) -> KVCache:
         """Zero-length past: the prefill then runs the same code path as every decode step (and as ONNX)."""
-        shape = (batch_size, config.n_head, 0, config.head_dim)
-        return cls([
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.n_layer)
-        ])
+        return cls(empty_past(config.n_layer, config.n_head, config.head_dim, batch_size, dtype, device))
+
+
+def empty_past(
+    n_layer: int, heads: int, head_dim: int, batch_size: int, dtype: torch.dtype = torch.float32, device: Any = None
+) -> PastKeyValues:
+    """Per layer a zero-length (key, value) of (B, heads, 0, head_dim): every text model's `empty_past`."""
+    shape = (batch_size, heads, 0, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(n_layer)]
 
 
 def _tracing() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def past_and_positions(
+    input_ids: Tensor,
+    position_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    past_key_values: PastKeyValues | None,
+    block_size: int | None,
+) -> tuple[int, Tensor]:
+    """A decoder call's cached length and positions: the text models' forward preamble.
+
+    `block_size`: refuse a call beyond the context (None: the model checks nothing here). Positions default to
+    the count of real tokens before each one (left-padded rows count from their first real token), else
+    past_len..past_len+T-1.
+    """
+    B, T = input_ids.shape
+    past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+    if block_size is not None and not _tracing() and past_len + T > block_size:
+        raise ValueError(
+            f"sequence of {past_len + T} tokens ({past_len} cached + {T} new) exceeds the context of {block_size}"
+        )
+    if position_ids is None:
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        else:
+            position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None].expand(B, T)
+    return past_len, position_ids
 
 
 def build_attention_mask(
@@ -238,19 +270,10 @@ class GPT(nn.Module):
         past_key_values / presents: per layer (key, value) of shape (B, n_head, length, head_dim);
         present = concat(past, new).
         """
-        B, T = input_ids.shape
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if not _tracing() and past_len + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {past_len + T} tokens ({past_len} cached + {T} new) exceeds the context of "
-                f"{self.config.block_size}"
-            )
-        if position_ids is None:
-            if attention_mask is not None:
-                # Left-padded rows count positions from their first real token.
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-            else:
-                position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None].expand(B, T)
+        T = input_ids.shape[1]
+        past_len, position_ids = past_and_positions(
+            input_ids, position_ids, attention_mask, past_key_values, self.config.block_size
+        )
         dtype = self.wte.weight.dtype
         mask = build_attention_mask(T, past_len, attention_mask, dtype, input_ids.device)
 
@@ -267,8 +290,8 @@ class GPT(nn.Module):
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache as `forward` takes it (every text architecture has this method: the exporter and
         validation ask the model for its cache's shape instead of reading config fields)."""
-        weight = self.wte.weight
-        return KVCache.empty(self.config, batch_size, dtype or weight.dtype, device or weight.device).layers
+        weight, c = self.wte.weight, self.config
+        return empty_past(c.n_layer, c.n_head, c.head_dim, batch_size, dtype or weight.dtype, device or weight.device)
 
     @classmethod
     def from_state_dict(

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
-from .gpt import PastKeyValues, _tracing, build_attention_mask
+from .gpt import PastKeyValues, build_attention_mask, empty_past, past_and_positions
 from .multimax import PAPER_TABLE_8, Modulation, attention_probs, paper_params
 
 FLAVORS = ("llama", "qwen2", "qwen3")  # the Hugging Face model_type each config switch set comes from
@@ -340,10 +340,8 @@ class Llama(nn.Module):
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache: per layer (key, value) of shape (B, n_local_heads, 0, head_dim)."""
         c = self.config
-        shape = (batch_size, c.n_local_heads, 0, c.head_dim)
-        dtype, device = dtype or self.dtype, device or self.tok_embeddings.weight.device
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(c.n_layer)]
+        device = device or self.tok_embeddings.weight.device
+        return empty_past(c.n_layer, c.n_local_heads, c.head_dim, batch_size, dtype or self.dtype, device)
 
     def forward(
         self,
@@ -358,18 +356,10 @@ class Llama(nn.Module):
         past_key_values / presents: per layer (key, value) (B, n_local_heads, length, head_dim); present =
         concat(past, new). position_ids default to the count of real tokens before each one.
         """
-        B, T = input_ids.shape
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if not _tracing() and past_len + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {past_len + T} tokens ({past_len} cached + {T} new) exceeds the context of "
-                f"{self.config.block_size}"
-            )
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-            else:
-                position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None].expand(B, T)
+        T = input_ids.shape[1]
+        past_len, position_ids = past_and_positions(
+            input_ids, position_ids, attention_mask, past_key_values, self.config.block_size
+        )
         x = self.tok_embeddings(input_ids)
         mask = build_attention_mask(T, past_len, attention_mask, x.dtype, input_ids.device)
         cos, sin = self.rope(position_ids, x.dtype)
