@@ -56,6 +56,8 @@ class SamplingParams:
     rank: bool = False  # best_of: the cumulative logprob of the sampled tokens is wanted
     ignore_eos: bool = False  # eos is never drawn: the length is max_tokens (or a stop string)
     min_tokens: int = 0  # eos is never drawn, and stop strings not checked, before this many tokens
+    # wt-guided: per-row logits processors (service.structured.LogitsProcessor), applied before sampling.
+    processors: tuple[Any, ...] = ()
 
     @property
     def wants_logprobs(self) -> bool:
@@ -191,6 +193,23 @@ def _as_torch(logits: Any) -> torch.Tensor:
     if isinstance(logits, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(logits))
     return logits.float().cpu()
+
+
+def _sample_processed(logits: torch.Tensor, generated: Sequence[int], p: SamplingParams, generator: torch.Generator,
+                      banned: Sequence[int], output_function: str | None) -> int:
+    """wt-guided bridge until wt-engine's sampler applies `processors`: sample among the tokens the processors
+    leave finite (sample_token takes -inf for a model gone bad; a mask turned into `banned` ids costs ~20 ms a
+    step at 50k tokens). Renormalising over the kept ids is what masking them to -inf does."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits("the model produced non-finite logits for this sequence")
+    for proc in p.processors:
+        logits = proc(generated, logits)
+    keep = (logits != float("-inf")).nonzero().flatten()
+    sub_banned = [int(j) for b in banned for j in (keep == b).nonzero().flatten()]
+    if keep.numel() == len(sub_banned):
+        raise NonFiniteLogits("the logits processors left no token to sample")
+    return int(keep[sample_token(logits[keep], p.temperature, p.top_p, p.top_k, generator, sub_banned,
+                                 output_function)])
 
 
 class TextScheduler:
@@ -579,8 +598,11 @@ class TextScheduler:
                 continue
             banned = (tok.eos_id,) if p.ignore_eos or row.generated < p.min_tokens else ()
             try:
-                token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned,
-                                     self.output_function)
+                if p.processors:  # wt-guided: port onto wt-engine's sampler hook (same contract)
+                    token = _sample_processed(logits[i], row.tokens, p, row.generator, banned, self.output_function)
+                else:
+                    token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned,
+                                         self.output_function)
             except Exception as exc:  # this row's numbers went bad: it ends, its batch-mates go on
                 updates.append(self._failed(row, exc))
                 continue

@@ -4,12 +4,14 @@ Field names, defaults, the error shape and the stream format (`data: {chunk}` ev
 `data: [DONE]`) are OpenAI's, so the official client works unchanged. logprobs, echo, n and best_of work as
 OpenAI's legacy completions API has them (`service.choices`), with vLLM's extensions ignore_eos, min_tokens and
 stream_options.continuous_usage_stats (docs/SERVICE.md has the table). Options this server cannot honour
-(suffix, penalties, logit_bias) are refused with 400 rather than silently ignored.
+(suffix, penalties, logit_bias, tools, unknown fields: `service.fields`) are refused with 400 rather than
+silently ignored; structured output (response_format, guided_*) is `service.structured`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -25,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
-from service import choices
+from service import choices, fields, structured
 from service.bodies import JSON, read_body, require_media
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
@@ -77,8 +79,8 @@ Stop = Annotated[str, Field(max_length=256)]
 
 
 class CompletionRequest(BaseModel):
-    # Unknown OpenAI fields (user, metadata, ...) are ignored. Strict: "10", "true", [[false]] are not numbers,
-    # booleans or token ids (OpenAI refuses them too), so nothing is coerced.
+    # Undeclared fields: service.fields (user, metadata, ... pass; others are refused). Strict: "10", "true",
+    # [[false]] are not numbers, booleans or token ids (OpenAI refuses them too), so nothing is coerced.
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
@@ -102,6 +104,18 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = Field(0.0, description="not supported: must be 0")
     frequency_penalty: float | None = Field(0.0, description="not supported: must be 0")
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    # Structured output (service.structured), at most one of these; an undeclared field is refused unless it
+    # changes nothing (service.fields).
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}: the output is valid JSON (matching the schema)')
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema to match")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the output is one of these")
+    guided_regex: str | None = Field(None, description="extension (vLLM): the output matches this regex")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): the output matches this Lark/GBNF grammar")
+    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM): JSON whitespace regex")
+    guided_decoding_backend: str | None = Field(
+        None, description="extension (vLLM): accepted, but the engine is always llguidance")
 
 
 class Usage(BaseModel):
@@ -174,6 +188,7 @@ def _unsupported(req: CompletionRequest) -> None:
     for param, used in checks:
         if used:
             raise bad_request(f"{param} is not supported by this server", param, code="unsupported_parameter")
+    fields.refuse_undeclared(req.model_extra)
 
 
 def _utf8(text: str) -> bool:
@@ -375,6 +390,10 @@ async def completions(request: Request) -> Response:
         context = rt.context_length
         changed = asyncio.Event()
         params = [sampling_params(req, len(p), context, settings.default_max_tokens) for p in prompts]
+        # A schema compiles in the grammar engine (up to ~100 ms for a big one): off the event loop.
+        processors = await asyncio.to_thread(structured.processors_for, dict(req), rt.tokenizer)
+        if processors:
+            params = [dataclasses.replace(sp, processors=processors) for sp in params]
         groups = choices.expand(prompts, params, best_of, changed)
         seqs = [s for g in groups for s in g]
         rt.scheduler.submit(seqs)

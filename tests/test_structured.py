@@ -1,0 +1,231 @@
+"""Structured output (service.structured) and honest request fields (service.fields).
+
+The grammar forces validity whatever the weights: randomly initialised models, driven only through the logits
+processors, must produce valid JSON, one of the choices, a regex match; then the same through /v1/completions
+(the demo model, text never trained on JSON), and the 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from models.gpt import GPT, GPTConfig
+from models.hf_tokenizer import HFTokenizer
+from models.tokenizer import ByteTokenizer
+from service.app import create_app
+from service.config import Settings
+from service.structured import GrammarProcessor, StructuredOutputError, processors_for
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["a", "b\"c"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    """A tiny byte-level BPE tokenizer.json (multi-byte tokens: a grammar must cross token boundaries)."""
+    folder = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"n": 12, "ok": true, "tag": "a"}', "red green blue", "the quick brown fox"] * 50,
+                            trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return HFTokenizer.from_folder(folder)
+
+
+def random_model(vocab: int, seed: int) -> Callable[[list[int]], torch.Tensor]:
+    """Last-position logits of a randomly initialised GPT (no training: nothing but the grammar shapes it)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=512, n_layer=1, n_head=2, n_embd=32)).eval()
+
+    @torch.no_grad()
+    def last_logits(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids[-500:]]))[0][0, -1]
+
+    return last_logits
+
+
+def random_logits(vocab: int, seed: int) -> Callable[[list[int]], torch.Tensor]:
+    """Fresh random logits every step (cheaper than a model, and no more helpful to the grammar)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda ids: torch.randn(vocab, generator=gen) * 3
+
+
+def generate(proc: Any, model: Callable[[list[int]], torch.Tensor], eos: Sequence[int], prompt: list[int],
+             max_tokens: int, seed: int) -> tuple[list[int], str]:
+    """Sample (temperature 1) through the processor; (tokens, finish reason)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = proc(out, model(prompt + out))
+        token = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+        if token in eos:
+            return out, "stop"
+        out.append(token)
+    return out, "length"
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_model_is_driven_to_schema_valid_json(kind: str, seed: int, hf_tok: HFTokenizer) -> None:
+    tok: Any = ByteTokenizer() if kind == "byte" else hf_tok
+    eos = [tok.eos_id] if kind == "byte" else list(tok.eos_ids)
+    (proc,) = processors_for({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": SCHEMA}}, "guided_whitespace_pattern": r"[ ]?"}, tok)
+    tokens, finish = generate(proc, random_model(tok.vocab_size, seed), eos, tok.encode("Answer: ")[-4:], 300, seed)
+    assert finish == "stop"
+    value = json.loads(tok.decode(tokens))
+    assert set(value) == {"n", "ok", "tag"} and isinstance(value["n"], int) and isinstance(value["ok"], bool)
+    assert value["tag"] in ("a", 'b"c')
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+def test_json_object_choice_and_regex(kind: str, hf_tok: HFTokenizer) -> None:
+    tok: Any = ByteTokenizer() if kind == "byte" else hf_tok
+    eos = [tok.eos_id] if kind == "byte" else list(tok.eos_ids)
+    model = random_logits(tok.vocab_size, 5)
+    choices = ["red", "green", "blue", 'say "hi" \\ é']
+    for seed in range(4):
+        (proc,) = processors_for({"guided_choice": choices}, tok)
+        tokens, finish = generate(proc, model, eos, [65], 50, seed)
+        assert finish == "stop" and tok.decode(tokens) in choices
+        (proc,) = processors_for({"guided_regex": "[0-9]{2,4}-[a-z]{1,3}"}, tok)
+        tokens, finish = generate(proc, model, eos, [65], 50, seed)
+        assert finish == "stop" and re.fullmatch("[0-9]{2,4}-[a-z]{1,3}", tok.decode(tokens))
+    # json_object: any object; whitespace held to compact so that a random model ends within the bound
+    (proc,) = processors_for({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": ""}, tok)
+    ends = 0
+    for seed in range(6):
+        tokens, finish = generate(proc, model, eos, [65], 200, seed)
+        text = tok.decode(tokens)
+        if finish == "stop":
+            ends += 1
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.startswith("{")
+    assert ends >= 3
+
+
+def test_one_processor_serves_interleaved_rows() -> None:
+    """n / best_of rows share the request's processor: each row's mask follows its own tokens."""
+    tok = ByteTokenizer()
+    (proc,) = processors_for({"guided_choice": ["abc", "abd", "xyz"]}, tok)
+    assert isinstance(proc, GrammarProcessor)
+    logits = torch.zeros(tok.vocab_size)
+
+    def allowed(generated: list[int]) -> set[int]:
+        return set(torch.isfinite(proc(generated, logits)).nonzero().flatten().tolist())
+
+    assert allowed([]) == {ord("a"), ord("x")}
+    assert allowed([ord("x")]) == {ord("y")}
+    assert allowed([ord("a"), ord("b")]) == {ord("c"), ord("d")}
+    assert allowed([ord("x"), ord("y")]) == {ord("z")}
+    assert allowed([ord("a"), ord("b"), ord("d")]) == {tok.eos_id}  # complete: only the end
+    assert allowed([ord("a")]) == {ord("b")}  # a shorter row after longer ones
+    with pytest.raises(StructuredOutputError, match="guided_choice"):
+        proc([ord("q")], logits)  # a token the grammar refuses fails that row
+
+
+def test_padded_vocabulary_is_masked_beyond_the_tokenizer() -> None:
+    tok = ByteTokenizer()
+    (proc,) = processors_for({"guided_regex": "a+"}, tok)
+    out = proc([], torch.zeros(tok.vocab_size + 13))
+    assert torch.isfinite(out).nonzero().flatten().tolist() == [ord("a")]
+
+
+# ---- through /v1/completions ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(Settings()), raise_server_exceptions=False) as c:
+        yield c
+
+
+def complete(client: TestClient, **fields: Any) -> tuple[int, dict[str, Any]]:
+    r = client.post("/v1/completions", json={"model": "text_multimax", "prompt": "The answer is", **fields})
+    return r.status_code, r.json()
+
+
+def test_completions_json_schema_choice_regex(client: TestClient) -> None:
+    status, body = complete(client, max_tokens=80, seed=3, n=2, response_format={
+        "type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}, guided_whitespace_pattern="")
+    assert status == 200
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "stop"
+        assert set(json.loads(choice["text"])) == {"n", "ok", "tag"}
+    status, body = complete(client, max_tokens=10, seed=1, n=4, guided_choice=["red", "green", "blue"])
+    assert status == 200 and all(c["text"] in ("red", "green", "blue") for c in body["choices"])
+    status, body = complete(client, max_tokens=20, temperature=0, guided_regex="[0-9]{3}-[a-z]{2,4}")
+    assert status == 200 and re.fullmatch("[0-9]{3}-[a-z]{2,4}", body["choices"][0]["text"])
+    status, body = complete(client, max_tokens=30, seed=2, guided_json=json.dumps({"type": "array", "items": {
+        "type": "integer"}, "maxItems": 3}), guided_whitespace_pattern="")
+    assert status == 200 and isinstance(json.loads(body["choices"][0]["text"]), list)
+
+
+def test_completions_cut_by_max_tokens_is_length(client: TestClient) -> None:
+    status, body = complete(client, max_tokens=4, guided_regex="[0-9]{30}")
+    choice = body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "length" and re.fullmatch("[0-9]{4}", choice["text"])
+
+
+def test_completions_stream_guided(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": "text_multimax", "prompt": "x", "stream": True, "seed": 4,
+                                             "max_tokens": 40, "guided_choice": ["alpha", "beta"]})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200
+    assert "".join(c["text"] for e in events for c in e["choices"]) in ("alpha", "beta")
+    assert events[-1]["choices"][-1]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"guided_json": {"type": "frobnicate"}}, "guided_json", "frobnicate"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_json": [1]}, "guided_json", "valid"),
+    ({"guided_regex": "[0-9"}, "guided_regex", "regex"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "undefined_rule"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "missing"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "nope"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "cannot be combined with guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json", "cannot be combined"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "cannot be combined"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "cannot be combined"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "applies only"),
+    ({"guided_choice": ["a"], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "does not apply"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"function_call": "auto"}, "function_call", "not supported"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "not supported"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"min_p": 0.1}, "min_p", "not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"frobnicate": 1}, "frobnicate", "unknown field"),
+])
+def test_refused_with_400_naming_the_field(client: TestClient, fields: dict[str, Any], param: str,
+                                           words: str) -> None:
+    status, body = complete(client, max_tokens=3, **fields)
+    assert status == 400, body
+    assert body["error"]["param"].startswith(param) and words in body["error"]["message"], body
+
+
+def test_fields_that_change_nothing_pass(client: TestClient) -> None:
+    status, body = complete(client, max_tokens=3, user="u-1", tool_choice="none", tools=[],
+                            response_format={"type": "text"}, guided_decoding_backend="xgrammar")
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
