@@ -45,17 +45,22 @@ class FakeServer:
     """The endpoints the load tester uses, with trivial compute. Model names pick behaviours:
     `fake` answers 200 at once; `errs` cycles 200, 404, 429, 500, and a hang (for timeouts); `stall` pauses the
     whole server for STALL_S once, at request STALL_AT; `hang` never answers in time; `text` streams tokens;
-    `broken` streams without [DONE]."""
+    `broken` streams without [DONE]. Chat: `text` streams OpenAI chat deltas with usage, `nousage` without.
+    With `api_key` set, every request without `Authorization: Bearer <api_key>` is a 401."""
 
     STALL_AT, STALL_S = 20, 1.0
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.stall_until = 0.0
+        self.api_key: str | None = None
+        self.chat_bodies: list[dict[str, Any]] = []
 
     def reset(self) -> None:
         self.counts.clear()
         self.stall_until = 0.0
+        self.api_key = None
+        self.chat_bodies.clear()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -70,8 +75,14 @@ class FakeServer:
             if not msg.get("more_body"):
                 break
         path, method = scope["path"], scope["method"]
+        if self.api_key is not None and dict(scope["headers"]).get(b"authorization") != \
+                f"Bearer {self.api_key}".encode():
+            return await self._json(send, 401, {"error": {"message": "invalid API key"}})
+        if method == "POST" and path == "/v1/chat/completions":
+            return await self._chat(send, json.loads(body))
         if method == "GET" and path == "/v1/models":
-            data = [{"id": m, "object": "model"} for m in ("fake", "errs", "stall", "hang", "text", "broken")]
+            data = [{"id": m, "object": "model"} for m in ("fake", "errs", "stall", "hang", "text", "broken",
+                                                           "nousage")]
             return await self._json(send, 200, {"object": "list", "data": data})
         if method == "GET" and path == "/v2/models/fake":
             return await self._json(send, 200, {"name": "fake", "inputs": [
@@ -143,6 +154,32 @@ class FakeServer:
         usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}}
         tail = f"data: {json.dumps(usage)}\n\n" + ("" if req["model"] == "broken" else "data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": tail.encode()})
+
+
+    async def _chat(self, send: Any, req: dict[str, Any]) -> None:
+        """OpenAI's chat stream: the role first, then content deltas ("ab cd " each: 1 chunk, several tokens),
+        then the finish reason, then usage (if asked for and the model is not `nousage`)."""
+        self.counts["chat"] += 1
+        self.chat_bodies.append(req)
+        n = int(req["max_tokens"])
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": req["model"]}
+        if not req.get("stream"):
+            return await self._json(send, 200, {**base, "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ab cd " * n}, "finish_reason": "length"}]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        deltas = [{"role": "assistant", "content": ""}] + [{"content": "ab cd "}] * n
+        for delta in deltas:
+            await asyncio.sleep(0.001)
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+        tail = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        events = [tail]
+        if (req.get("stream_options") or {}).get("include_usage") and req["model"] != "nousage":
+            events.append({**base, "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 2 * n,
+                                                            "total_tokens": 11 + 2 * n}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": text.encode()})
 
 
 @pytest.fixture(scope="module")
@@ -522,3 +559,95 @@ def test_module_entry_point_exits_2_without_traceback() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("python -m benchmarks.loadtest: error:") and "Traceback" not in proc.stderr
+
+
+# ---- chat, tokenizers, API keys ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A word-level tokenizer.json: "ab cd " is two tokens, whatever chunks it arrives in."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "ab": 1, "cd": 2, "the": 3, "quick": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_chat_workload_streams_and_counts(fake: tuple[str, FakeServer], word_tokenizer: Path) -> None:
+    url, app = fake
+    app.reset()
+    res = run(LoadConfig(url=url, workload="chat", model="text", concurrency=2, requests=6, keep_samples=True,
+                         max_tokens=IntRange(3, 5), system_prompt="Be brief."))
+    assert res.ok == 6 and app.counts["chat"] == 6
+    body = app.chat_bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert [m["role"] for m in body["messages"]] == ["system", "user"] and body["messages"][1]["content"]
+    assert all(s.output_tokens == 2 * max_tokens and s.prompt_tokens == 11  # the server's usage
+               for s, max_tokens in zip(sorted(res.samples, key=lambda s: s.index),
+                                        [b["max_tokens"] for b in app.chat_bodies], strict=False))
+    assert res.generation is not None and res.generation["ttft_ms"]["count"] == 6
+    # No usage: the streamed text counted with the tokenizer (2 words a chunk), not the chunks (1 a delta)
+    counted = run(LoadConfig(url=url, workload="chat", model="nousage", concurrency=1, requests=3, keep_samples=True,
+                             max_tokens=IntRange(4, 4), tokenizer=word_tokenizer))
+    assert [s.output_tokens for s in counted.samples] == [8, 8, 8]
+    chunks = run(LoadConfig(url=url, workload="chat", model="nousage", concurrency=1, requests=1, keep_samples=True,
+                            max_tokens=IntRange(4, 4)))
+    assert chunks.samples[0].output_tokens == 24  # no --tokenizer: byte-level (the demo models), 6 bytes a chunk
+    whole = run(LoadConfig(url=url, workload="chat", model="nousage", concurrency=1, requests=2, keep_samples=True,
+                           max_tokens=IntRange(3, 3), stream=False, tokenizer=word_tokenizer))
+    assert whole.ok == 2 and [s.output_tokens for s in whole.samples] == [6, 6]
+
+
+def test_prompt_lengths_are_in_the_tokenizers_tokens(word_tokenizer: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from benchmarks.loadtest.tokens import load_counter
+    from benchmarks.loadtest.workloads import _CORPUS, ChatWorkload, GenerateWorkload
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([_CORPUS] * 5, trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    bpe.save(str(folder / "tokenizer.json"))
+    cfg = LoadConfig(workload="generate", concurrency=1, requests=1, prompt_len=IntRange(3, 6),
+                     tokenizer=folder)  # a folder holding tokenizer.json
+    wl = GenerateWorkload(cfg)
+    counter = load_counter(folder)
+    assert len(counter.encode(_CORPUS)) < len(_CORPUS) / 3  # words, not bytes: lengths really are in tokens
+    for i in range(20):
+        spec = wl.request(i)
+        prompt = json.loads(spec.body or b"")["prompt"]
+        assert 3 <= spec.prompt_tokens <= 6 and spec.prompt_tokens == len(counter.encode(prompt))
+    chat = ChatWorkload(LoadConfig(workload="chat", concurrency=1, requests=1))
+    spec = chat.request(0)
+    assert spec.path == "/v1/chat/completions"
+    assert json.loads(spec.body or b"")["messages"][0]["role"] == "user"
+    with pytest.raises(ConfigError, match="not a tokenizers file"):
+        load_counter(Path(__file__))
+    assert load_counter(word_tokenizer).encode("ab cd ab") == [1, 2, 1]
+
+
+def test_api_key_is_sent_and_never_written(fake: tuple[str, FakeServer], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    url, app = fake
+    app.reset()
+    app.api_key = "s3cret-key"
+    try:
+        with pytest.raises(ConfigError, match="give --api-key"):
+            run(LoadConfig(url=url, workload="chat", model="text", concurrency=1, requests=1))
+        with pytest.raises(ConfigError, match="check --api-key"):
+            run(LoadConfig(url=url, workload="chat", model="text", concurrency=1, requests=1, api_key="wrong"))
+        out = tmp_path / "run"
+        code = main(["--url", url, "--workload", "chat", "--model", "text", "--concurrency", "1", "--requests", "2",
+                     "--max-tokens", "2", "--api-key", "s3cret-key", "--out", str(out), "--quiet", "--no-metrics"])
+        assert code == 0 and app.counts["chat"] == 2
+        written = "".join(p.read_text(errors="replace") for p in out.iterdir() if p.suffix in (".json", ".csv"))
+        assert "s3cret-key" not in written and "s3cret-key" not in capsys.readouterr().out
+    finally:
+        app.api_key = None

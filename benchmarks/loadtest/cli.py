@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--workload", choices=WORKLOADS, default="classify",
                    help="classify: POST /v1/models/{m}/classify; infer: KServe V2 /v2/models/{m}/infer; generate: "
-                   "POST /v1/completions (default %(default)s)")
-    p.add_argument("--model", help="model name (default: digits_multimax, or text_multimax for generate)")
+                   "POST /v1/completions; chat: POST /v1/chat/completions (default %(default)s)")
+    p.add_argument("--model", help="model name (default: digits_multimax, or text_multimax for generate/chat)")
+    p.add_argument("--api-key", metavar="KEY", help="send `Authorization: Bearer KEY` (never written to --out)")
     load = p.add_argument_group("load model (exactly one)")
     load.add_argument("--concurrency", type=_positive_int, help="closed loop: N requests always in flight")
     load.add_argument("--rate", type=_positive_float, help="open loop: R requests/s, sent on schedule")
@@ -93,9 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--images", type=Path, metavar="DIR", help="send these .png/.jpg files (default: generated)")
     img.add_argument("--batch", type=_positive_int, default=1, help="images per request / tensor rows (default 1)")
     img.add_argument("--top-k", type=_positive_int, default=5, help="classify ?top_k= (default %(default)s)")
-    gen = p.add_argument_group("generate")
+    gen = p.add_argument_group("generate / chat")
     gen.add_argument("--prompt-len", type=_range, default=IntRange(8, 32), metavar="LO:HI",
-                     help="prompt length in characters, uniform (default 8:32)")
+                     help="prompt length in tokens (of --tokenizer; bytes without), uniform (default 8:32)")
+    gen.add_argument("--tokenizer", type=Path, metavar="PATH",
+                     help="the served model's tokenizer.json (or its folder): prompt lengths and output counts "
+                     "without usage in its tokens (default: byte-level, the demo models)")
+    gen.add_argument("--system-prompt", metavar="TEXT", help="chat: a system message before each user message")
     gen.add_argument("--max-tokens", type=_range, default=IntRange(16, 64), metavar="LO:HI",
                      help="max_tokens, uniform (default 16:64); keep prompt + output within the model's context")
     gen.add_argument("--prompts", type=Path, metavar="FILE", help="prompts, one per line (overrides --prompt-len)")
@@ -138,7 +143,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, str | None, 
         poisson=args.poisson, duration_s=args.duration, requests=args.requests, warmup_s=args.warmup,
         timeout_s=args.timeout, max_in_flight=args.max_in_flight, seed=args.seed, images=args.images,
         batch=args.batch, top_k=args.top_k, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos, api_key=args.api_key, tokenizer=args.tokenizer,
+        system_prompt=args.system_prompt,
         stream=not args.no_stream, temperature=args.temperature, prompts_file=args.prompts,
         slo_ms=args.slo_p99_ms, slo_ttft_ms=args.slo_ttft_ms, scrape_metrics=not args.no_metrics,
         progress=not args.quiet, keep_samples=args.save_requests, event_loop=args.event_loop,
@@ -157,11 +163,24 @@ async def _run_all(configs: list[LoadConfig], progress: Progress | None) -> list
     return results
 
 
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line with the API key replaced (results.json records the command)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if i > 0 and argv[i - 1] == "--api-key":
+            out.append("***")
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(arg)
+    return out
+
+
 def write_outputs(out: Path, results: list[Result], sweep: SweepResult | None, argv: list[str]) -> list[Path]:
     from benchmarks.loadtest.plots import plot_histogram, plot_latency_vs_throughput
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"tool": "benchmarks.loadtest", "command": " ".join([PROG, *map(shlex.quote, argv)]),
+    meta = {"tool": "benchmarks.loadtest", "command": " ".join([PROG, *map(shlex.quote, _redacted(argv))]),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     files = [out / "results.json", out / "results.csv", out / "latency_vs_throughput.png",
              out / "latency_histogram.png"]

@@ -79,11 +79,11 @@ async def execute(session: aiohttp.ClientSession, base_url: str, spec: RequestSp
             if timing:  # parsed later: the hot path only keeps the string
                 sample.timing_header = timing[0] if len(timing) == 1 else ", ".join(timing)
             if spec.stream and sample.outcome == "ok":
-                await _read_stream(resp, sample)
+                await _read_stream(resp, sample, spec)
             else:
                 body = await resp.read()
                 if spec.max_tokens and sample.outcome == "ok":
-                    sample.output_tokens = _usage_tokens(body)
+                    _count_whole(body, sample, spec)
     except (TimeoutError, asyncio.TimeoutError):  # one class on 3.11+, two on 3.10; aiohttp's subclass them
         sample.outcome, sample.error = "timeout", "timeout"
     except (aiohttp.ClientError, OSError) as exc:
@@ -92,7 +92,7 @@ async def execute(session: aiohttp.ClientSession, base_url: str, spec: RequestSp
     return sample
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, sample: Sample) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, sample: Sample, spec: RequestSpec) -> None:
     parser, stats = SSEParser(), StreamStats()
     async for line in resp.content:
         data = parser.feed_line(line)
@@ -104,25 +104,38 @@ async def _read_stream(resp: aiohttp.ClientResponse, sample: Sample) -> None:
     sample.ttft = stats.ttft(sample.scheduled)
     sample.itls = stats.itls()
     sample.tpot = stats.tpot()
-    sample.output_tokens = stats.tokens
+    sample.output_tokens = stats.count(spec.count_tokens)
+    if stats.usage_prompt_tokens is not None:  # the server's count (a chat template's tokens included)
+        sample.prompt_tokens = stats.usage_prompt_tokens
     if stats.error is not None or not stats.done:
         sample.outcome = "stream"
         sample.error = stats.error or "stream ended without [DONE]"
 
 
-def _usage_tokens(body: bytes) -> int:
+def _count_whole(body: bytes, sample: Sample, spec: RequestSpec) -> None:
+    """Token counts of a whole (unstreamed) completion: the server's usage, else its text counted with the
+    model's tokenizer."""
     try:
-        usage = json.loads(body).get("usage") or {}
-        return int(usage.get("completion_tokens", 0))
+        obj = json.loads(body)
+        usage = obj.get("usage") or {}
+        if isinstance(usage.get("completion_tokens"), int):
+            sample.output_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                sample.prompt_tokens = usage["prompt_tokens"]
+        elif spec.count_tokens is not None:
+            texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in obj.get("choices") or ()]
+            sample.output_tokens = spec.count_tokens("".join(texts))
     except (ValueError, AttributeError, TypeError):
-        return 0
+        return
 
 
-def make_session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
-    """One session for the whole run: connections are reused (keep-alive), as a real client pool would."""
+def make_session(connections: int, timeout_s: float, api_key: str | None = None) -> aiohttp.ClientSession:
+    """One session for the whole run: connections are reused (keep-alive), as a real client pool would. With an
+    API key every request carries it (OpenAI's `Authorization: Bearer`)."""
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                 auto_decompress=False, skip_auto_headers=("User-Agent",))
+                                 auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers)
 
 
 async def wait_all(tasks: set[asyncio.Task[Sample]]) -> None:

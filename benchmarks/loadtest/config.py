@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-Workload = Literal["classify", "infer", "generate"]
-WORKLOADS: tuple[str, ...] = ("classify", "infer", "generate")
-DEFAULT_MODELS = {"classify": "digits_multimax", "infer": "digits_multimax", "generate": "text_multimax"}
+Workload = Literal["classify", "infer", "generate", "chat"]
+WORKLOADS: tuple[str, ...] = ("classify", "infer", "generate", "chat")
+TEXT_WORKLOADS = ("generate", "chat")  # token-streaming workloads: TTFT, inter-token latency, tokens/s
+DEFAULT_MODELS = {"classify": "digits_multimax", "infer": "digits_multimax", "generate": "text_multimax",
+                  "chat": "text_multimax"}
 
 
 class ConfigError(ValueError):
@@ -58,17 +60,20 @@ class LoadConfig:
     timeout_s: float = 30.0  # per request; also bounds the drain at the end of a run
     max_in_flight: int = 1024  # open loop: cap on outstanding requests (hits are counted and reported)
     seed: int = 0
+    api_key: str | None = None  # sent as `Authorization: Bearer KEY` on every request (never written to files)
     # classify / infer
     images: Path | None = None  # directory of .png/.jpg; None: generated digit-like images
     batch: int = 1  # images per classify request (>1 sends JSON base64), rows of the V2 tensor
     top_k: int = 5
     # generate
-    prompt_len: IntRange = field(default_factory=lambda: IntRange(8, 32))  # characters (= tokens, byte-level model)
+    prompt_len: IntRange = field(default_factory=lambda: IntRange(8, 32))  # tokens (of `tokenizer`; bytes without)
     max_tokens: IntRange = field(default_factory=lambda: IntRange(16, 64))
     stream: bool = True
     temperature: float = 1.0
     ignore_eos: bool = False  # send ignore_eos (vLLM's name): every completion is exactly max_tokens long
     prompts_file: Path | None = None  # one prompt per line, used in turn (then prompt_len is ignored)
+    tokenizer: Path | None = None  # tokenizer.json (or its folder): prompt lengths and output counts in its tokens
+    system_prompt: str | None = None  # chat: a system message before each user message
     # SLO (goodput): a request is good if it succeeded within slo_ms (and its first token within slo_ttft_ms)
     slo_ms: float | None = None
     slo_ttft_ms: float | None = None
@@ -119,6 +124,10 @@ class LoadConfig:
             raise ConfigError("batch and top_k must be >= 1")
         if self.images is not None and not Path(self.images).is_dir():
             raise ConfigError(f"--images: {self.images} is not a directory")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise ConfigError(f"--tokenizer: {self.tokenizer} does not exist")
+        if self.api_key is not None and (not self.api_key or any(c in self.api_key for c in "\r\n")):
+            raise ConfigError("--api-key must be non-empty and on one line")
         if self.prompts_file is not None and not Path(self.prompts_file).is_file():
             raise ConfigError(f"--prompts: {self.prompts_file} is not a file")
         for name in ("slo_ms", "slo_ttft_ms"):
@@ -129,7 +138,8 @@ class LoadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("images", "prompts_file"):
+        d["api_key"] = None if self.api_key is None else "(set)"  # a secret: never into results.json
+        for key in ("images", "prompts_file", "tokenizer"):
             d[key] = None if d[key] is None else str(d[key])
         d["prompt_len"], d["max_tokens"] = str(self.prompt_len), str(self.max_tokens)
         d["model"] = self.model_name

@@ -50,6 +50,9 @@ async def preflight(session: aiohttp.ClientSession, base: str, cfg: LoadConfig) 
         status, body = await _get(session, f"{base}/v1/models", PREFLIGHT_TIMEOUT_S)
     except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
         raise ConfigError(f"cannot reach the server at {cfg.url}: {exc or type(exc).__name__}") from None
+    if status in (401, 403):
+        raise ConfigError(f"the server at {cfg.url} refused the credentials ({status}): "
+                          + ("check --api-key" if cfg.api_key else "give --api-key"))
     ids: list[str] = []
     if status == 200:  # OpenAI's list format; anything else: no check
         with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
@@ -235,7 +238,7 @@ async def run_async(cfg: LoadConfig, progress: Progress | None = None) -> Result
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGINT, stop.set)
     try:
-        async with make_session(connections, cfg.timeout_s) as session:
+        async with make_session(connections, cfg.timeout_s, cfg.api_key) as session:
             metadata = await preflight(session, base, cfg)
             workload = build_workload(cfg, metadata)
             indices = itertools.count()

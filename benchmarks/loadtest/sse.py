@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -44,6 +45,8 @@ class SSEParser:
 class StreamStats:
     token_times: list[float] = field(default_factory=list)  # arrival time of each chunk that carried text
     usage_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
+    texts: list[str] = field(default_factory=list)  # the text of every chunk (counted when there is no usage)
     done: bool = False  # saw `data: [DONE]`
     error: str | None = None  # an error object sent inside the stream
 
@@ -65,17 +68,27 @@ class StreamStats:
         usage = chunk.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.usage_prompt_tokens = usage["prompt_tokens"]
         for choice in chunk.get("choices") or ():
             text = choice.get("text")
             if text is None:  # chat format
                 text = (choice.get("delta") or {}).get("content")
             if text:
                 self.token_times.append(t)
+                self.texts.append(text)
                 break
 
     @property
     def tokens(self) -> int:
         return self.usage_tokens if self.usage_tokens is not None else len(self.token_times)
+
+    def count(self, count_tokens: Callable[[str], int] | None) -> int:
+        """Output tokens: the server's usage, else the streamed text counted with the model's tokenizer, else
+        the chunks that carried text."""
+        if self.usage_tokens is None and count_tokens is not None:
+            return count_tokens("".join(self.texts))
+        return self.tokens
 
     def ttft(self, start: float) -> float | None:
         return self.token_times[0] - start if self.token_times else None

@@ -225,7 +225,7 @@ class Recorder:
             res.goodput_rps = round(self.good / elapsed, 3)
             res.good_fraction = round(self.good / sent, 6) if sent else 0.0
             res.slo_met = bool(sent) and self.good >= 0.99 * sent
-        if cfg.workload == "generate":
+        if cfg.workload in ("generate", "chat"):
             rates = self.stream_rates
             res.generation = {
                 "streaming": cfg.stream,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from urllib.parse import quote
 
 from benchmarks.loadtest.config import ConfigError, LoadConfig
 from benchmarks.loadtest.images import generate_images, load_images
+from benchmarks.loadtest.tokens import load_counter
 
 JSON = {"Content-Type": "application/json"}
 
@@ -38,6 +40,8 @@ class RequestSpec:
     stream: bool = False  # an SSE response to time token by token
     prompt_tokens: int = 0
     max_tokens: int = 0
+    # Output tokens of a text when the server sends no usage (the served model's tokenizer; None: chunks)
+    count_tokens: Callable[[str], int] | None = None
 
 
 class Workload:
@@ -103,34 +107,61 @@ def infer_workload(cfg: LoadConfig, metadata: dict[str, Any] | None, bodies: int
 
 
 class GenerateWorkload(Workload):
+    """OpenAI text completions. Prompt lengths are in the tokens of `--tokenizer` (bytes without one): a slice
+    of the corpus's token ids, decoded."""
+
     name = "generate"
+    path = "/v1/completions"
 
     def __init__(self, cfg: LoadConfig) -> None:
         self.cfg = cfg
+        self.counter = load_counter(cfg.tokenizer)
         self.prompts: list[str] | None = None
         if cfg.prompts_file is not None:
             self.prompts = [line for line in Path(cfg.prompts_file).read_text().splitlines() if line.strip()]
             if not self.prompts:
                 raise ConfigError(f"--prompts: {cfg.prompts_file} has no non-empty lines")
+        self._period = max(1, len(self.counter.encode(_CORPUS)))  # token ids of one copy of the corpus
+        copies = cfg.prompt_len.hi // self._period + 2
+        self._ids = self.counter.encode(_CORPUS * copies)
+        counter = self.counter
+        self._count: Callable[[str], int] = lambda text: len(counter.encode(text))
+
+    def prompt(self, i: int, rng: random.Random) -> str:
+        if self.prompts is not None:
+            return self.prompts[i % len(self.prompts)]
+        length = self.cfg.prompt_len.sample(rng)
+        start = rng.randrange(self._period)
+        return self.counter.decode(self._ids[start:start + length])
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        return {"prompt": prompt}
 
     def request(self, i: int) -> RequestSpec:
         cfg = self.cfg
         rng = random.Random(cfg.seed * 1_000_003 + i)  # per request: independent of the order requests are built
-        if self.prompts is not None:
-            prompt = self.prompts[i % len(self.prompts)]
-        else:
-            length = cfg.prompt_len.sample(rng)
-            start = rng.randrange(len(_CORPUS))
-            prompt = (_CORPUS * (length // len(_CORPUS) + 2))[start:start + length]
+        prompt = self.prompt(i, rng)
         max_tokens = cfg.max_tokens.sample(rng)
-        body: dict[str, Any] = {"model": cfg.model_name, "prompt": prompt, "max_tokens": max_tokens,
+        body: dict[str, Any] = {"model": cfg.model_name, **self.body(prompt), "max_tokens": max_tokens,
                                 "temperature": cfg.temperature, "top_p": 1.0, "seed": i, "stream": cfg.stream}
         if cfg.ignore_eos:
             body["ignore_eos"] = True
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}  # exact token counts even if chunks coalesce
-        return RequestSpec("POST", "/v1/completions", json.dumps(body).encode(), JSON, stream=cfg.stream,
-                           prompt_tokens=len(prompt.encode()), max_tokens=max_tokens)
+        return RequestSpec("POST", self.path, json.dumps(body).encode(), JSON, stream=cfg.stream,
+                           prompt_tokens=self._count(prompt), max_tokens=max_tokens, count_tokens=self._count)
+
+
+class ChatWorkload(GenerateWorkload):
+    """OpenAI chat completions: the prompt as one user message (after `--system-prompt`, if given); the server's
+    chat template adds its own tokens, which the server's usage counts and the prompt length here does not."""
+
+    name = "chat"
+    path = "/v1/chat/completions"
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+        return {"messages": [*system, {"role": "user", "content": prompt}]}
 
 
 def build_workload(cfg: LoadConfig, metadata: dict[str, Any] | None = None) -> Workload:
@@ -138,4 +169,6 @@ def build_workload(cfg: LoadConfig, metadata: dict[str, Any] | None = None) -> W
         return classify_workload(cfg)
     if cfg.workload == "infer":
         return infer_workload(cfg, metadata)
+    if cfg.workload == "chat":
+        return ChatWorkload(cfg)
     return GenerateWorkload(cfg)
