@@ -62,3 +62,21 @@ def load_counter(path: Path | None) -> TokenCounter:
     if not file.is_file():
         raise ConfigError(f"--tokenizer: {file} is not a file (give a tokenizer.json or a folder holding one)")
     return TokenizersCounter(file)
+
+
+def write_byte_folder(out: Path, context: int = 128) -> Path:
+    """The demo models' byte tokenizer as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json): what tools that take a tokenizer path (AIPerf's --tokenizer) load."""
+    import json
+
+    from export.hf_tokenizer import special_tokens_map, tokenizer_config, tokenizer_json
+    from models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    out.mkdir(parents=True, exist_ok=True)
+    files = (("tokenizer.json", tokenizer_json(tok)), ("tokenizer_config.json", tokenizer_config(tok, context)),
+             ("special_tokens_map.json", special_tokens_map(tok)))
+    for name, data in files:
+        (out / name).write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+    return out
+
