@@ -75,7 +75,9 @@ def _lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
         copy = Tokenizer.from_str(hf.to_str())
         copy.no_padding()
         copy.no_truncation()
-        eos = list(getattr(tokenizer, "eos_ids", ()) or [tokenizer.eos_id])
+        eos = [i for i in (getattr(tokenizer, "eos_ids", ()) or [tokenizer.eos_id]) if i is not None]
+        if not eos:
+            raise ValueError("the model's tokenizer has no end-of-sequence token, so a grammar cannot end the output")
         return llguidance.LLTokenizer(copy.to_str(), n_vocab=int(tokenizer.vocab_size), eos_token=eos)
     # The byte tokenizer (and a fairseq dictionary's): every id's bytes are known.
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)))
@@ -251,8 +253,15 @@ def processors_for(fields: Mapping[str, Any], tokenizer: Any) -> tuple[LogitsPro
     if made is None:
         return ()
     grammar, field = made
-    tok = lltokenizer(tokenizer)
-    matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=LIMITS)
+    try:
+        tok = lltokenizer(tokenizer)
+    except ValueError as exc:
+        raise bad_request(f"{field} cannot be used with this model: {exc}", field,
+                          code="unsupported_parameter") from None
+    try:
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=LIMITS)
+    except Exception as exc:  # llguidance reports grammar errors through is_error(); anything else is still the input's
+        raise bad_request(f"{field} cannot be used: {_first_line(str(exc))}", field) from None
     if matcher.is_error():
         raise bad_request(f"{field} cannot be used: {_first_line(matcher.get_error())}", field)
     return (GrammarProcessor(matcher, int(tokenizer.vocab_size), field),)

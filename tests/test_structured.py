@@ -229,3 +229,13 @@ def test_fields_that_change_nothing_pass(client: TestClient) -> None:
     status, body = complete(client, max_tokens=3, user="u-1", tool_choice="none", tools=[],
                             response_format={"type": "text"}, guided_decoding_backend="xgrammar")
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenizer_without_eos_is_a_400(hf_tok: HFTokenizer) -> None:
+    from service.errors import ServiceError
+
+    no_eos = HFTokenizer(hf_tok.tokenizer, {}, None)  # a tokenizer.json whose config names no end token
+    with pytest.raises(ServiceError) as info:
+        processors_for({"guided_regex": "a+"}, no_eos)
+    assert info.value.status == 400 and info.value.param == "guided_regex"
+    assert "no end-of-sequence token" in info.value.message
