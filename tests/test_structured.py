@@ -239,3 +239,43 @@ def test_tokenizer_without_eos_is_a_400(hf_tok: HFTokenizer) -> None:
         processors_for({"guided_regex": "a+"}, no_eos)
     assert info.value.status == 400 and info.value.param == "guided_regex"
     assert "no end-of-sequence token" in info.value.message
+
+
+def test_a_processor_that_raises_fails_only_its_sequence() -> None:
+    """In one decode batch: a guided row, a plain row and a row whose processor raises at its 4th token."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from models.demo import DEMO_DIR
+    from service.backends.onnxruntime import OnnxRuntimeBackend
+    from service.generation import GenSequence, SamplingParams, TextScheduler
+    from service.metrics import Metrics
+
+    tok = ByteTokenizer()
+
+    def breaks(generated: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(generated) == 3:
+            raise RuntimeError("processor bug")
+        return logits
+
+    guided = GenSequence(tok.encode("Return the"), SamplingParams(
+        max_tokens=30, temperature=0.0, processors=processors_for({"guided_regex": "[0-9]{5}"}, tok)))
+    plain = GenSequence(tok.encode("If the file"), SamplingParams(max_tokens=12, temperature=0.0))
+    victim = GenSequence(tok.encode("The"), SamplingParams(max_tokens=12, temperature=0.0, processors=(breaks,)))
+
+    async def main() -> None:
+        sched = TextScheduler("text", OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx"), tok, 128,
+                              ThreadPoolExecutor(1), Metrics(), 8, 64)
+        sched.start()
+        sched.submit([guided, plain, victim])
+        for s in (guided, plain, victim):
+            while not s.done:
+                await s.changed.wait()
+                s.changed.clear()
+        await sched.close()
+
+    asyncio.run(main())
+    assert victim.error is not None and victim.error.status == 500 and victim.generated == 3
+    assert plain.error is None and plain.finish_reason == "length" and len(plain.tokens) == 12
+    assert guided.error is None and guided.finish_reason == "stop"
+    assert re.fullmatch("[0-9]{5}", tok.decode(guided.tokens))
