@@ -390,8 +390,10 @@ async def completions(request: Request) -> Response:
         context = rt.context_length
         changed = asyncio.Event()
         params = [sampling_params(req, len(p), context, settings.default_max_tokens) for p in prompts]
-        # A schema compiles in the grammar engine (up to ~100 ms for a big one): off the event loop.
-        processors = await asyncio.to_thread(structured.processors_for, dict(req), rt.tokenizer)
+        asked = dict(req)
+        # A grammar compiles in the engine (up to ~100 ms for a big schema): off the event loop.
+        processors = (await asyncio.to_thread(structured.processors_for, asked, rt.tokenizer)
+                      if structured.requested(asked) else structured.processors_for(asked, rt.tokenizer))
         if processors:
             params = [dataclasses.replace(sp, processors=processors) for sp in params]
         groups = choices.expand(prompts, params, best_of, changed)
