@@ -580,11 +580,13 @@ def test_chat_workload_streams_and_counts(fake: tuple[str, FakeServer], word_tok
     url, app = fake
     app.reset()
     res = run(LoadConfig(url=url, workload="chat", model="text", concurrency=2, requests=6, keep_samples=True,
-                         max_tokens=IntRange(3, 5), system_prompt="Be brief."))
+                         max_tokens=IntRange(3, 5), system_prompt="Be brief.",
+                         extra_body={"response_format": {"type": "json_object"}}))
     assert res.ok == 6 and app.counts["chat"] == 6
     body = app.chat_bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert [m["role"] for m in body["messages"]] == ["system", "user"] and body["messages"][1]["content"]
+    assert body["response_format"] == {"type": "json_object"}  # --extra-body
     assert all(s.output_tokens == 2 * max_tokens and s.prompt_tokens == 11  # the server's usage
                for s, max_tokens in zip(sorted(res.samples, key=lambda s: s.index),
                                         [b["max_tokens"] for b in app.chat_bodies], strict=False))

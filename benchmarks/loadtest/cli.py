@@ -6,11 +6,12 @@ Bad options and an unreachable server exit 2 with one line on stderr, never a tr
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from benchmarks.loadtest.config import WORKLOADS, ConfigError, IntRange, LoadConfig
 from benchmarks.loadtest.progress import Progress
@@ -59,6 +60,16 @@ def _list(kind: type) -> object:
     return parse
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _range(text: str) -> IntRange:
     try:
         return IntRange.parse(text)
@@ -101,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the served model's tokenizer.json (or its folder): prompt lengths and output counts "
                      "without usage in its tokens (default: byte-level, the demo models)")
     gen.add_argument("--system-prompt", metavar="TEXT", help="chat: a system message before each user message")
+    gen.add_argument("--extra-body", type=_json_object, metavar="JSON",
+                     help="fields merged into every request body, e.g. '{\"guided_regex\": \"[a-z]+\"}'")
     gen.add_argument("--max-tokens", type=_range, default=IntRange(16, 64), metavar="LO:HI",
                      help="max_tokens, uniform (default 16:64); keep prompt + output within the model's context")
     gen.add_argument("--prompts", type=Path, metavar="FILE", help="prompts, one per line (overrides --prompt-len)")
@@ -144,7 +157,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, str | None, 
         timeout_s=args.timeout, max_in_flight=args.max_in_flight, seed=args.seed, images=args.images,
         batch=args.batch, top_k=args.top_k, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos, api_key=args.api_key, tokenizer=args.tokenizer,
-        system_prompt=args.system_prompt,
+        system_prompt=args.system_prompt, extra_body=args.extra_body,
         stream=not args.no_stream, temperature=args.temperature, prompts_file=args.prompts,
         slo_ms=args.slo_p99_ms, slo_ttft_ms=args.slo_ttft_ms, scrape_metrics=not args.no_metrics,
         progress=not args.quiet, keep_samples=args.save_requests, event_loop=args.event_loop,

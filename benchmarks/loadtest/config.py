@@ -74,6 +74,7 @@ class LoadConfig:
     prompts_file: Path | None = None  # one prompt per line, used in turn (then prompt_len is ignored)
     tokenizer: Path | None = None  # tokenizer.json (or its folder): prompt lengths and output counts in its tokens
     system_prompt: str | None = None  # chat: a system message before each user message
+    extra_body: dict[str, Any] | None = None  # generate / chat: fields merged into every request body
     # SLO (goodput): a request is good if it succeeded within slo_ms (and its first token within slo_ttft_ms)
     slo_ms: float | None = None
     slo_ttft_ms: float | None = None

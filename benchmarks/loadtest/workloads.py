@@ -146,6 +146,7 @@ class GenerateWorkload(Workload):
                                 "temperature": cfg.temperature, "top_p": 1.0, "seed": i, "stream": cfg.stream}
         if cfg.ignore_eos:
             body["ignore_eos"] = True
+        body.update(cfg.extra_body or {})
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}  # exact token counts even if chunks coalesce
         return RequestSpec("POST", self.path, json.dumps(body).encode(), JSON, stream=cfg.stream,
