@@ -172,6 +172,9 @@ def test_completions_json_schema_choice_regex(client: TestClient) -> None:
     status, body = complete(client, max_tokens=30, seed=2, guided_json=json.dumps({"type": "array", "items": {
         "type": "integer"}, "maxItems": 3}), guided_whitespace_pattern="")
     assert status == 200 and isinstance(json.loads(body["choices"][0]["text"]), list)
+    for grammar in ('root ::= ("yes" | "no") [0-9]', 'start: ("yes" | "no") DIGIT\nDIGIT: /[0-9]/'):  # GBNF, Lark
+        status, body = complete(client, max_tokens=10, seed=5, n=3, guided_grammar=grammar)
+        assert status == 200 and all(re.fullmatch("(yes|no)[0-9]", c["text"]) for c in body["choices"]), body
 
 
 def test_completions_cut_by_max_tokens_is_length(client: TestClient) -> None:
