@@ -118,6 +118,9 @@ class GenSequence:
     logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # one entry per token in `tokens`
     cumulative_logprob: float = 0.0  # of every sampled token (eos included): best_of's ranking
     prompt_logprobs: TokenLogprobs | None = None  # echo + logprobs: the prompt's (first token None)
+    # len(tokens) after each step that reached the loop: a stream sends one event per step even when several
+    # steps' results arrive before it runs (service.openai_api)
+    steps: list[int] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -210,6 +213,9 @@ class TextScheduler:
         self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
         self.backend = backend
         self.tokenizer = tokenizer
+        # a Hugging Face tokenizer may name several end ids (generation_config.json); any of them ends a sequence
+        eos = getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,)
+        self.eos_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
         self.context_length = context_length
         self.executor = executor
         self.metrics = metrics
@@ -416,6 +422,7 @@ class TextScheduler:
                     m.itl.labels(self.model).observe(now - (seq.last_token or now))
                 seq.last_token = now
             seq.tokens, seq.generated = u.tokens, u.generated
+            seq.steps.append(len(u.tokens))
             if u.finish_reason is not None:
                 seq.finished = now
                 seq.finish_reason = u.finish_reason
@@ -577,7 +584,7 @@ class TextScheduler:
                 row.finish_reason = "length"
                 updates.append(_Update(row, [], 0, "length", prompt_logprobs=prompt_lps))
                 continue
-            banned = (tok.eos_id,) if p.ignore_eos or row.generated < p.min_tokens else ()
+            banned = self.eos_ids if p.ignore_eos or row.generated < p.min_tokens else ()
             try:
                 token = sample_token(logits[i], p.temperature, p.top_p, p.top_k, row.generator, banned,
                                      self.output_function)
@@ -589,7 +596,7 @@ class TextScheduler:
             if p.wants_logprobs:
                 chosen, top = token_logprobs(logits[i], token, p.logprobs or 0, self.output_function)
                 row.cumulative_logprob += chosen
-            if token == tok.eos_id:
+            if token in self.eos_ids:
                 row.finish_reason = "stop"
             else:
                 row.tokens.append(token)
