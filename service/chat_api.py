@@ -54,16 +54,11 @@ router = APIRouter(tags=["openai"])
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"] = Field(description="tool messages are not supported")
-    content: str | list[TextPart] = Field(description="a string, or a list of text parts")
+    content: str | list[dict[str, Any]] = Field(description="a string, or a list of text parts "
+                                                "({\"type\": \"text\", \"text\": ...})")
     name: str | None = Field(None, max_length=256)
 
 
@@ -141,11 +136,24 @@ def unsupported_fields(req: ChatCompletionRequest) -> None:
 # ---- request -> prompt --------------------------------------------------------------------------------------
 
 
+def _text_parts(parts: list[dict[str, Any]], i: int) -> list[str]:
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages.{i}.content.{j}"
+        if part.get("type") != "text":
+            raise bad_request(f"{where}: only text parts are supported (got type {str(part.get('type'))[:32]!r})",
+                              where)
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise bad_request(f"{where}: a text part is {{\"type\": \"text\", \"text\": a string}}", where)
+        texts.append(part["text"])
+    return texts
+
+
 def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the template sees them: text parts joined by newlines (as vLLM's string format)."""
     out = []
     for i, m in enumerate(req.messages):
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        content = m.content if isinstance(m.content, str) else "\n".join(_text_parts(m.content, i))
         if not _utf8(content):
             raise bad_request(f"messages[{i}].content is not valid Unicode (lone surrogate)", f"messages.{i}.content")
         message: dict[str, Any] = {"role": m.role, "content": content}
@@ -219,7 +227,8 @@ def logprobs_content(tok: Any, tokens: list[int], lps: TokenLogprobs, top: int, 
 
 def _message_choice(tok: Any, seq: GenSequence, index: int, top: int | None) -> dict[str, Any]:
     lps = {"content": logprobs_content(tok, seq.tokens, seq.logprobs, top)} if top is not None else None
-    return {"index": index, "message": {"role": "assistant", "content": tok.decode(seq.tokens)},
+    text = tok.decode(seq.tokens) + seq.stop_tail.decode("utf-8", "replace")
+    return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": lps, "finish_reason": seq.finish_reason}
 
 

@@ -16,6 +16,7 @@ tokens its sent text covers (a stream's logprobs go with its text).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded before the first generated one (as vLLM's initial offset)
 REPLACEMENT = "\ufffd"
@@ -60,22 +61,25 @@ class IncrementalDetokenizer:
                     break
         return held
 
-    def step(self, tokens: Sequence[int], final: bool = False) -> str:
+    def step(self, tokens: Sequence[int], final: bool = False, tail: str = "") -> str:
         """The new text once the generated tokens are `tokens` (a prefix grown by this step; tokens that a stop
-        string removed at the end are simply absent). `final`: the sequence ended, flush everything."""
+        string removed at the end are simply absent). `final`: the sequence ended, flush everything; `tail`: the
+        text a removed token held before the stop string (GenSequence.stop_tail). Text already sent stays sent:
+        held-back text never reaches the stop string, so what was sent is a prefix of the final text."""
         generated = len(self._ids) - self._context
         if len(tokens) < generated:  # a stop match removed tokens (their text was held back): back to before them
             while self._marks[-1][0] > len(tokens):
                 self._marks.pop()
             n, chars, self._prefix = self._marks[-1]
             self._text, self._read = self._text[:chars], self._context + n
-            self.sent = min(self.sent, chars)
             del self._ids[self._read:]
             self._ids.extend(tokens[n:])
         else:
             self._ids.extend(tokens[generated:])
         if len(self._ids) > self._read or final:
             self._advance(final)
+        if final and tail:
+            self._text += tail
         upto = len(self._text) if final else len(self._text) - self._held_back()
         piece = self._text[self.sent:max(upto, self.sent)]
         self.sent = max(upto, self.sent)
@@ -85,3 +89,15 @@ class IncrementalDetokenizer:
     def covered(self) -> int:
         """Generated tokens whose text has been sent in full."""
         return max((n for n, chars, _ in self._marks if chars <= self.sent), default=0)
+
+
+def stop_tail(tokens: Sequence[int], keep: int, stops: Sequence[bytes], tokenizer: Any) -> bytes:
+    """The bytes between tokens[:keep] and the stop string `tokens` end with: what a token straddling the stop's
+    start held before it (the decode loop drops the whole token; the text keeps these, as vLLM's does)."""
+    data = tokenizer.decode_bytes(tokens)
+    for stop in stops:
+        if stop and data.endswith(stop):
+            kept = tokenizer.decode_bytes(tokens[:keep])
+            cut = len(data) - len(stop)
+            return data[len(kept):cut] if data.startswith(kept) and cut > len(kept) else b""
+    return b""

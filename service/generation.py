@@ -34,6 +34,7 @@ from models.output_function import ZERO_LOGPROB, log_probabilities
 from models.tokenizer import TextTokenizer
 from service import kvcache
 from service.backends.base import Past, TextModel
+from service.detokenizer import stop_tail
 from service.errors import ServiceError
 from service.health import Health
 from service.metrics import Metrics
@@ -121,6 +122,9 @@ class GenSequence:
     # len(tokens) after each step that reached the loop: a stream sends one event per step even when several
     # steps' results arrive before it runs (service.openai_api)
     steps: list[int] = field(default_factory=list)
+    # ended by a stop string: the text between the kept tokens and the stop (the start of the token holding the
+    # stop's first byte), so the text ends exactly before the stop as in vLLM (service.detokenizer.stop_tail)
+    stop_tail: bytes = b""
 
     @property
     def done(self) -> bool:
@@ -141,6 +145,7 @@ class _Row:
     logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
     cumulative_logprob: float = 0.0
     prompt_logprobs: TokenLogprobs | None = None  # sent with the first update only
+    stop_tail: bytes = b""  # text before a matched stop string inside the token that was removed with it
 
     @property
     def live(self) -> bool:
@@ -423,6 +428,7 @@ class TextScheduler:
                 seq.last_token = now
             seq.tokens, seq.generated = u.tokens, u.generated
             seq.steps.append(len(u.tokens))
+            seq.stop_tail = u.row.stop_tail
             if u.finish_reason is not None:
                 seq.finished = now
                 seq.finish_reason = u.finish_reason
@@ -606,6 +612,7 @@ class TextScheduler:
                 # Stop strings count from min_tokens on (vLLM: no stop check before min_tokens).
                 keep = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
                 if keep is not None:
+                    row.stop_tail = stop_tail(row.tokens, keep, p.stop, tok)
                     del row.tokens[keep:]
                     row.logprobs.truncate(keep)
                     row.finish_reason = "stop"

@@ -43,7 +43,9 @@ class StepReader:
         for k, mark in enumerate(marks):
             last = k == len(marks) - 1
             tokens = seq.tokens if last else seq.tokens[:mark]
-            text = self.detokenizer.step(tokens, final=finished and last)
+            ends = finished and last
+            text = self.detokenizer.step(tokens, final=ends, tail=seq.stop_tail.decode("utf-8", "replace") if ends
+                                         else "")
             if text or (last and finished):
                 texts.append((text, self.detokenizer.covered))
         return texts, finished
