@@ -123,6 +123,9 @@ class GenaiTextBackend(TextBackend):
         model_file = path / str(decoder.get("filename", "model.onnx"))
         proto = _read_graph(model_file)
         self.fused_multimax = fused_ops_state(proto, options) if providers == ["CPUExecutionProvider"] else None
+        # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding);
+        # the server's batches are left-padded: such graphs get their rows realigned around each call
+        self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
         del proto
         try:
             self.session = ort.InferenceSession(str(model_file), sess_options=options, providers=providers)
@@ -154,6 +157,21 @@ class GenaiTextBackend(TextBackend):
 
     def run_text(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                  past: Past) -> tuple[np.ndarray, Past]:
+        if not self.right_padded:
+            return self._run(input_ids, attention_mask, position_ids, past)
+        # Left padding (zeros, then the row's real tokens) -> each row's real tokens first, and back after the
+        # call; what the graph reads of the mask is each row's count of real tokens.
+        pads = attention_mask.shape[1] - attention_mask.sum(axis=1)
+        past_len = past[0][0].shape[2] if past else 0
+        new_pads = np.maximum(pads - past_len, 0)  # padding inside the new tokens (a prefill's shorter prompts)
+        old_pads = pads - new_pads  # padding inside the cache
+        ids, positions = _roll_rows(input_ids, -new_pads, 1), _roll_rows(position_ids, -new_pads, 1)
+        aligned = [(_roll_rows(k, -old_pads, 2), _roll_rows(v, -old_pads, 2)) for k, v in past]
+        logits, presents = self._run(ids, attention_mask, positions, aligned)
+        return _roll_rows(logits, new_pads, 1), [(_roll_rows(k, pads, 2), _roll_rows(v, pads, 2)) for k, v in presents]
+
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             past: Past) -> tuple[np.ndarray, Past]:
         feeds: dict[str, np.ndarray] = {self.feeds["input_ids"]: input_ids,
                                         self.feeds["attention_mask"]: attention_mask}
         if self.position_name:
@@ -173,6 +191,18 @@ class GenaiTextBackend(TextBackend):
 
     def close(self) -> None:
         del self.session
+
+
+def _roll_rows(a: np.ndarray, shift: np.ndarray, axis: int) -> np.ndarray:
+    """Each row (axis 0) of `a` rolled by its own `shift` along `axis` (positive: towards the end)."""
+    if not shift.any():
+        return a
+    length = a.shape[axis]
+    index = (np.arange(length)[None, :] - shift[:, None]) % length  # (B, L)
+    shape = [1] * a.ndim
+    shape[0], shape[axis] = a.shape[0], length
+    index = index.reshape(shape)
+    return np.take_along_axis(a, np.broadcast_to(index, a.shape), axis=axis)
 
 
 def _genai_eos(model: dict[str, Any]) -> list[int]:

@@ -397,3 +397,49 @@ def test_a_failure_in_one_chat_stream_stays_in_it(steered: tuple[str, Steered, A
                                            extra_body={"ignore_eos": True})
     assert after.choices[0].message.content == alone[0]  # and the model serves on
 
+
+
+# ---- an onnxruntime-genai folder (ONNX Runtime) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax"])
+def test_genai_folder_is_served_and_batches_prompts_of_different_lengths(
+        tmp_path: Path, multimax: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """onnxruntime's GroupQueryAttention (the softmax graph) reads each row's cache from the start of its buffer;
+    the server's batches are left-padded, so its rows are realigned around each call: every prompt of a mixed
+    batch gets exactly the greedy text of the model alone."""
+    from export.genai_folder import write_folder
+    from models.checkpoint import load
+    from models.cli import main as models_main
+    from models.tokenizer import ByteTokenizer
+
+    assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
+    model, ckpt, _ = load(tmp_path / "m.pt")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_folder(model, ckpt, repo / "nano-genai", with_library=False)
+    capsys.readouterr()
+    tok = ByteTokenizer()
+    prompts = ["The", "If the file is missing, the server", "Return the", "MultiMax reweights the attention before"]
+    want = [tok.decode(generate(model, tok.encode(p), 12, temperature=0.0)[0]) for p in prompts]
+    with running("--model-dir", str(repo), "--intra-op-threads", "1") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        card = client.models.retrieve("nano-genai").model_dump()
+        assert card["format"] == "onnxruntime-genai-folder" and card["backend"] == "onnxruntime"
+        assert card["tokenizer"]["type"] == "hf-tokenizers" and card["context_length"] == 128
+        assert card["multimax"]["output"] is (multimax != "none")
+        r = client.completions.create(model="nano-genai", prompt=prompts, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})  # one request: prefilled as one batch
+        assert [c.text for c in r.choices] == want
+        results: dict[int, str] = {}
+
+        def one(i: int) -> None:  # and sequences joining a running batch at other lengths
+            results[i] = client.completions.create(model="nano-genai", prompt=prompts[i], max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[i] for i in range(len(prompts))] == want
