@@ -58,6 +58,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = json.loads((strict / "tokenizer_config.json").read_text())
     (strict / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": ALTERNATING}))
     shutil.copy(DEMO_DIR / f"{PLAIN}.pt", out / f"{PLAIN}.pt")
+    broken = out / "broken-folder"  # a folder without its weights: listed with the reason, the others served
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(out / CHAT / name, broken / name)
     return out
 
 
@@ -104,6 +108,10 @@ def test_models_describe_the_folder(url: str, client: Any, repo: Path) -> None:
         text = conn.getresponse().read().decode()
         assert str(repo) not in text and "/tmp" not in text  # no absolute paths on open routes
     assert json.loads(text)["model_info"]["architecture"] == "Qwen3ForCausalLM"
+    conn.request("POST", "/v2/repository/index", "{}", {"Content-Type": "application/json"})
+    index = {m["name"]: m for m in json.loads(conn.getresponse().read())}
+    assert index["broken-folder"]["state"] == "UNAVAILABLE" and "safetensors" in index["broken-folder"]["reason"]
+    assert str(repo) not in index["broken-folder"]["reason"]
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------------------
