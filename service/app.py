@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from service import classify, control, kserve, openai_api
+from service import chat_api, classify, control, kserve, openai_api
 from service.access import RequestTracking
 from service.auth import ApiKeyAuth, OpenPaths
 from service.config import Settings
@@ -74,10 +74,11 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     install_handlers(app)
     install_docs(app)
     app.include_router(openai_api.router)
+    app.include_router(chat_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
     app.include_router(control.router)
-    app.state.model_routes = labelled_routes(openai_api.router, classify.router, kserve.router)
+    app.state.model_routes = labelled_routes(openai_api.router, chat_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")
     async def prometheus(request: Request) -> Response:

@@ -94,6 +94,6 @@ def echoed(seq: GenSequence, echo: bool) -> tuple[list[int], TokenLogprobs]:
 def choice(tokenizer: TextTokenizer, seq: GenSequence, index: int, echo: bool, logprobs: bool) -> dict[str, Any]:
     """One whole (non-streamed) choice."""
     tokens, lps = echoed(seq, echo)
-    return {"index": index, "text": tokenizer.decode(tokens),
+    return {"index": index, "text": tokenizer.decode(tokens) + seq.stop_tail.decode("utf-8", "replace"),
             "logprobs": logprobs_object(tokenizer, tokens, lps) if logprobs else None,
             "finish_reason": seq.finish_reason}

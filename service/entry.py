@@ -22,7 +22,7 @@ class ServedTask:
 
 SERVED_TASKS = {
     architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("preprocess",)),
-    architectures.TEXT: ServedTask("text-generation", ("completions", "infer"), ("tokenizer",)),
+    architectures.TEXT: ServedTask("text-generation", ("completions", "chat", "infer"), ("tokenizer",)),
 }
 
 
@@ -41,6 +41,8 @@ class ModelEntry:
     version: int = 1  # Triton's layout: name/<version>/model.onnx; a plain file is version 1
     source: Path | None = None  # the file it was loaded from
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # its files' (path, mtime, size) when it was loaded
+    # a model folder's description (service.model_folders): architecture, MultiMax placement, tokenizer
+    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kind(self) -> architectures.Task:
@@ -58,6 +60,20 @@ class ModelEntry:
     @property
     def context_length(self) -> int | None:
         return int(self.config["block_size"]) if self.kind == architectures.TEXT else None
+
+    def model_info(self) -> dict[str, Any]:
+        """What /v1/models and KServe metadata say about the model: architecture, where SegLU / MultiMax sits and
+        its parameters, the tokenizer, the context length (never a path)."""
+        if self.details:
+            return {**self.details, "context_length": self.context_length}
+        config = self.config
+        multimax = {"output": bool(config.get("multimax_output")), "attention": bool(config.get("multimax_attention")),
+                    "variant": config.get("variant")} if self.kind == architectures.TEXT else None
+        tokenizer = None
+        if self.tokenizer is not None:
+            tokenizer = {k: v for k, v in self.tokenizer.items() if k in ("type", "vocab_size")}
+        return {"architecture": self.arch, "format": self.source.suffix.lstrip(".") if self.source else None,
+                "multimax": multimax, "tokenizer": tokenizer, "context_length": self.context_length}
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.task, **self.backend.describe()}

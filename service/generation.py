@@ -34,6 +34,7 @@ from models.output_function import ZERO_LOGPROB, log_probabilities
 from models.tokenizer import TextTokenizer
 from service import kvcache
 from service.backends.base import Past, TextModel
+from service.detokenizer import stop_tail
 from service.errors import ServiceError
 from service.health import Health
 from service.metrics import Metrics
@@ -120,6 +121,12 @@ class GenSequence:
     logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # one entry per token in `tokens`
     cumulative_logprob: float = 0.0  # of every sampled token (eos included): best_of's ranking
     prompt_logprobs: TokenLogprobs | None = None  # echo + logprobs: the prompt's (first token None)
+    # len(tokens) after each step that reached the loop: a stream sends one event per step even when several
+    # steps' results arrive before it runs (service.openai_api)
+    steps: list[int] = field(default_factory=list)
+    # ended by a stop string: the text between the kept tokens and the stop (the start of the token holding the
+    # stop's first byte), so the text ends exactly before the stop as in vLLM (service.detokenizer.stop_tail)
+    stop_tail: bytes = b""
 
     @property
     def done(self) -> bool:
@@ -140,6 +147,7 @@ class _Row:
     logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
     cumulative_logprob: float = 0.0
     prompt_logprobs: TokenLogprobs | None = None  # sent with the first update only
+    stop_tail: bytes = b""  # text before a matched stop string inside the token that was removed with it
 
     @property
     def live(self) -> bool:
@@ -229,6 +237,9 @@ class TextScheduler:
         self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
         self.backend = backend
         self.tokenizer = tokenizer
+        # a Hugging Face tokenizer may name several end ids (generation_config.json); any of them ends a sequence
+        eos = getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,)
+        self.eos_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
         self.context_length = context_length
         self.executor = executor
         self.metrics = metrics
@@ -435,6 +446,8 @@ class TextScheduler:
                     m.itl.labels(self.model).observe(now - (seq.last_token or now))
                 seq.last_token = now
             seq.tokens, seq.generated = u.tokens, u.generated
+            seq.steps.append(len(u.tokens))
+            seq.stop_tail = u.row.stop_tail
             if u.finish_reason is not None:
                 seq.finished = now
                 seq.finish_reason = u.finish_reason
@@ -596,7 +609,7 @@ class TextScheduler:
                 row.finish_reason = "length"
                 updates.append(_Update(row, [], 0, "length", prompt_logprobs=prompt_lps))
                 continue
-            banned = (tok.eos_id,) if p.ignore_eos or row.generated < p.min_tokens else ()
+            banned = self.eos_ids if p.ignore_eos or row.generated < p.min_tokens else ()
             try:
                 if p.processors:  # wt-guided: port onto wt-engine's sampler hook (same contract)
                     token = _sample_processed(logits[i], row.tokens, p, row.generator, banned, self.output_function)
@@ -611,7 +624,7 @@ class TextScheduler:
             if p.wants_logprobs:
                 chosen, top = token_logprobs(logits[i], token, p.logprobs or 0, self.output_function)
                 row.cumulative_logprob += chosen
-            if token == tok.eos_id:
+            if token in self.eos_ids:
                 row.finish_reason = "stop"
             else:
                 row.tokens.append(token)
@@ -621,6 +634,7 @@ class TextScheduler:
                 # Stop strings count from min_tokens on (vLLM: no stop check before min_tokens).
                 keep = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
                 if keep is not None:
+                    row.stop_tail = stop_tail(row.tokens, keep, p.stop, tok)
                     del row.tokens[keep:]
                     row.logprobs.truncate(keep)
                     row.finish_reason = "stop"

@@ -142,13 +142,15 @@ async def model_metadata(name: str, request: Request, version: str | None = None
     inputs, outputs = io_spec(rt)
     for t in inputs:
         t.pop("optional", None)
-    body = {"name": rt.name, "versions": _versions(request, name), "platform": rt.entry.backend.platform,
+    body: dict[str, Any] = {"name": rt.name, "versions": _versions(request, name),
+                            "platform": rt.entry.backend.platform,
             "inputs": inputs, "outputs": outputs}
     fused = rt.entry.backend.describe().get("fused_multimax")  # ONNX Runtime: the CPU ops' state, as /v1/models
     if fused is not None:
         body["fused_multimax"] = fused  # an extension field; V2 clients ignore what they do not know
     body["attention_function"] = attention_function(rt.entry.config)  # extension, as in /v1/models
     body["output_function"] = output_function(rt.entry.config)  # extension: the outputs are the logits before it
+    body["model_info"] = rt.entry.model_info()  # extension: architecture, MultiMax placement, tokenizer, context
     return _json(body)
 
 

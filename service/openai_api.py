@@ -29,12 +29,14 @@ from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
 from service import choices, fields, structured
 from service.bodies import JSON, read_body, require_media
+from service.detokenizer import IncrementalDetokenizer
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
-from service.generation import GenSequence, SamplingParams, TextStream
+from service.generation import GenSequence, SamplingParams
 from service.jsonio import check_size, loads
 from service.lifecycle import Tracker
 from service.runtime import ModelRuntime, Runtimes, TextRuntime
+from service.stream_steps import StepReader
 from service.tracing import phase
 
 router = APIRouter(tags=["openai"])
@@ -62,6 +64,12 @@ class ModelCard(BaseModel):
     # The output distribution (models.output_function: softmax, multimax, sparsemax, entmax15, evsoftmax):
     # what classification probabilities, sampling and logprobs are taken from.
     output_function: str | None = None
+    # What the model is: its architecture (e.g. Qwen3ForCausalLM), format, where SegLU / MultiMax sits and its
+    # parameters, its tokenizer (type, vocabulary, special tokens, whether it has a chat template).
+    architecture: str | None = None
+    format: str | None = None
+    multimax: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -159,7 +167,8 @@ def model_card(rt: ModelRuntime, versions: list[int]) -> ModelCard:
                      versions=[str(v) for v in versions],
                      attention_function=attention_function(entry.config),
                      attention_options=entry.config.get("attention_options"),
-                     output_function=output_function(entry.config))
+                     output_function=output_function(entry.config),
+                     **{k: v for k, v in entry.model_info().items() if k != "context_length"})
 
 
 @router.get("/v1/models", response_model=ModelList, summary="Every served model (OpenAI list format)")
@@ -326,8 +335,8 @@ def _prompt_too_long(obj: Any, limit: int) -> bool:
     return len(prompt) > limit or any(isinstance(p, list) and len(p) > limit for p in prompt)
 
 
-async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
-    """The request body as a CompletionRequest: bounded, strict JSON, cheap checks before validation."""
+async def read_json_object(request: Request, runtimes: Runtimes) -> Any:
+    """The request body as parsed JSON: the media type checked, its size bounded before and after reading."""
     settings = runtimes.settings
     require_media(request, (JSON,))
     declared = request.headers.get("content-length", "")
@@ -335,7 +344,13 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
         check_size(int(declared), settings.max_json_bytes)
     body = await read_body(request, settings.max_json_bytes)
     check_size(len(body), settings.max_json_bytes)
-    obj = loads(body)
+    return loads(body)
+
+
+async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
+    """The request body as a CompletionRequest: bounded, strict JSON, cheap checks before validation."""
+    settings = runtimes.settings
+    obj = await read_json_object(request, runtimes)
     model = obj.get("model") if isinstance(obj, dict) else None
     rt = runtimes.models.get(model) if isinstance(model, str) else None
     if isinstance(rt, TextRuntime):
@@ -349,7 +364,7 @@ async def read_completion(request: Request, runtimes: Runtimes) -> CompletionReq
         raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
-def _text_models_full(runtimes: Runtimes) -> None:
+def text_models_full(runtimes: Runtimes) -> None:
     """429 before the body is read when no text model could take a sequence (the model is named in the body)."""
     schedulers = [rt.scheduler for rt in runtimes.models.values() if isinstance(rt, TextRuntime)]
     if not schedulers:
@@ -373,7 +388,7 @@ async def completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
     try:
-        _text_models_full(runtimes)
+        text_models_full(runtimes)
         with phase("preprocess"):
             req = await read_completion(request, runtimes)
     except (ServiceError, RequestValidationError, HTTPException) as exc:
@@ -470,16 +485,10 @@ async def _all_done(seqs: list[GenSequence], changed: asyncio.Event) -> None:
     _raise_errors(seqs)
 
 
-def _covered(tokenizer: Any, tokens: list[int], nbytes: int) -> int:
-    """How many of `tokens` lie within their first `nbytes` decoded bytes (a stream's logprobs go with its
-    text)."""
-    k, size = 0, 0
-    while k < len(tokens):
-        size += len(tokenizer.decode_bytes([tokens[k]]))
-        if size > nbytes:
-            break
-        k += 1
-    return k
+def step_reader(tokenizer: Any, seq: GenSequence) -> StepReader:
+    """A sequence's stream of step texts, detokenized incrementally, stop strings held back."""
+    stops = [b.decode("utf-8", errors="replace") for b in seq.params.stop]
+    return StepReader(seq, IncrementalDetokenizer(tokenizer.decode, seq.prompt, stops))
 
 
 async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asyncio.Event, meta: dict[str, Any],
@@ -490,7 +499,7 @@ async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asy
     seqs = [s for g in groups for s in g]
     opts = req.stream_options or StreamOptions()
     echo, want_lps = bool(req.echo), req.logprobs is not None
-    streams = [TextStream(tok, s.params.stop) for s in seqs]
+    readers = [step_reader(tok, s) for s in seqs]
     sent_finish = [False] * len(seqs)
     sent_tokens = [0] * len(seqs)  # of choices.echoed(s)'s tokens: their logprobs went out
     started = [False] * len(seqs)
@@ -499,25 +508,25 @@ async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asy
     try:
         while True:
             _raise_errors(seqs)
-            for i, (s, ts) in enumerate(zip(seqs, streams, strict=True)):
+            for i, (s, reader) in enumerate(zip(seqs, readers, strict=True)):
                 if sent_finish[i]:
                     continue
-                finished = s.finish_reason is not None
-                text = ts.delta(s.tokens, final=finished)
+                texts, finished = reader.pieces()
                 # The echoed prompt goes out in the first chunk, once the prefill gave its logprobs.
-                first = echo and not started[i] and (s.generated > 0 or s.done)
-                if text or finished or first:
-                    if first:
-                        text, started[i] = tok.decode(s.prompt) + text, True
+                if echo and not started[i] and (s.generated > 0 or s.done):
+                    head, covered = texts[0] if texts else ("", 0)
+                    texts, started[i] = [(tok.decode(s.prompt) + head, covered), *texts[1:]], True
+                for k, (text, covered) in enumerate(texts):
+                    ends = finished and k == len(texts) - 1
                     entry: dict[str, Any] = {"index": i, "text": text, "logprobs": None,
-                                             "finish_reason": s.finish_reason}
+                                             "finish_reason": s.finish_reason if ends else None}
                     if want_lps:
                         shown, lps = choices.echoed(s, echo)
-                        upto = (len(s.prompt) if echo else 0) + _covered(tok, s.tokens, ts.sent)
+                        upto = max(sent_tokens[i], (len(s.prompt) if echo else 0) + covered)
                         entry["logprobs"] = choices.logprobs_object(tok, shown, lps, sent_tokens[i], upto)
                         sent_tokens[i] = upto
                     chunk = {**base, "choices": [entry]}
-                    sent_finish[i] = finished
+                    sent_finish[i] = ends
                     if opts.continuous_usage_stats or (all(sent_finish) and not opts.include_usage):
                         chunk["usage"] = choices.usage(groups)  # usage counts even for clients that did not ask
                     yield _sse(chunk)

@@ -27,12 +27,14 @@ from service.backends.checks import check_context, check_io
 from service.config import Settings
 from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import without_paths
+from service.model_folders import folder_files, folder_kind, load_folder_entry
 from service.vision import Preprocess
 from service.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 SUFFIXES = {".onnx": "onnxruntime", ".pt": "torch", ".engine": "tensorrt", ".plan": "tensorrt"}
+FOLDER_BACKENDS = {"hf-folder": "torch", "genai-folder": "onnxruntime"}
 AUTO_ORDER = ("onnxruntime", "torch", "tensorrt")
 MAX_SIDECAR_BYTES = 16 * 1024 * 1024  # an engine's labels and preprocessing: far below this
 
@@ -55,6 +57,14 @@ def _kinds(paths: list[Path], stem: str) -> Files:
     return files
 
 
+def _folder(path: Path) -> Files:
+    """A model folder (Hugging Face or onnxruntime-genai, service.model_folders) as {backend kind: folder}."""
+    kind = folder_kind(path)
+    if kind is None:
+        return {}
+    return {FOLDER_BACKENDS[kind]: path}
+
+
 def _versions(directory: Path) -> dict[int, Files]:
     """Triton's layout: `name/<number>/model.onnx` (or .pt/.engine/.plan, side files such as model.json beside).
     A version is written without leading zeros: `01` beside `1` would be the same version twice, one of them
@@ -63,7 +73,7 @@ def _versions(directory: Path) -> dict[int, Files]:
     for sub in sorted(directory.iterdir()):
         if not (sub.is_dir() and sub.name.isascii() and sub.name.isdigit() and int(sub.name) > 0):
             continue
-        files = _kinds(sorted(sub.iterdir()), "model")
+        files = _folder(sub) or _kinds(sorted(sub.iterdir()), "model")
         if not files:
             continue
         if sub.name != str(int(sub.name)):
@@ -83,6 +93,9 @@ def scan(model_dir: Path) -> dict[str, dict[int, Files]]:
         raise RegistryError(f"model directory {model_dir} does not exist or is not a directory")
     entries = sorted(model_dir.iterdir())
     found = {path.name: versions for path in entries if path.is_dir() and (versions := _versions(path))}
+    for path in entries:  # a model folder itself: version 1 of its name
+        if path.name not in found and (files := _folder(path)):
+            found[path.name] = {DEFAULT_VERSION: files}
     versioned = set(found)
     for path in entries:
         kind = SUFFIXES.get(path.suffix)
@@ -129,6 +142,14 @@ def _engine_metadata(name: str, files: Files) -> OnnxMetadata:
 
 def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings) -> ModelEntry:
     path = files[kind]
+    if path.is_dir():
+        entry = load_folder_entry(name, folder_kind(path) or "", path, settings)
+        try:
+            validate(entry, path.name)
+        except BaseException:
+            entry.backend.close()
+            raise
+        return entry
     if kind == "onnxruntime":
         from service.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -195,6 +216,14 @@ def _validate_vision(entry: ModelEntry, source: str) -> None:
 
 
 def _validate_text(entry: ModelEntry, source: str) -> None:
+    if entry.details:  # a model folder: its tokenizer was read from tokenizer.json and checked against the model
+        _positive_int(entry.config, "block_size", source)
+        vocab = _positive_int(entry.config, "vocab_size", source)
+        assert entry.byte_tokenizer is not None
+        if entry.byte_tokenizer.vocab_size > vocab:
+            raise ValueError(f"{source}: the tokenizer has {entry.byte_tokenizer.vocab_size} tokens, the model's "
+                             f"vocabulary {vocab}")
+        return
     try:
         entry.byte_tokenizer = tokenizer_from_dict(entry.tokenizer or {})
     except (TypeError, ValueError) as exc:
@@ -225,7 +254,8 @@ def _one_line(exc: BaseException) -> str:
 
 def fingerprint(files: Files) -> tuple[tuple[str, int, int], ...]:
     """What identifies a version's files on disk (a repository load reloads a version whose files changed)."""
-    stats = [(str(path), path.stat()) for path in sorted(files.values())]
+    paths = [p for path in sorted(files.values()) for p in (folder_files(path) if path.is_dir() else [path])]
+    stats = [(str(path), path.stat()) for path in paths]
     return tuple((name, st.st_mtime_ns, st.st_size) for name, st in stats)
 
 
@@ -247,7 +277,8 @@ def load_version(name: str, version: int, files: Files, settings: Settings) -> M
         log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
     start = time.perf_counter()
     stamp = fingerprint(files)  # before reading: a file replaced meanwhile is seen as changed by the next load
-    size = files[kind].stat().st_size
+    chosen = files[kind]
+    size = sum(p.stat().st_size for p in folder_files(chosen)) if chosen.is_dir() else chosen.stat().st_size
     if size > settings.max_model_bytes:
         raise BackendUnavailable(f"{files[kind].name}: {size} bytes, more than --max-model-bytes "
                                  f"{settings.max_model_bytes}")

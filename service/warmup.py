@@ -19,6 +19,7 @@ from service.entry import ModelEntry
 
 DECODE_STEPS = 4
 SHORT_PROMPT = 16
+LONG_PROMPT = 1024  # a Hugging Face model's context can be 32k+: half of it, batched, would take minutes on a CPU
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -29,7 +30,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def prompt_lengths(context: int) -> list[int]:
     room = max(1, context - DECODE_STEPS)
-    return sorted({min(SHORT_PROMPT, room), max(1, min(context // 2, room))})
+    return sorted({min(SHORT_PROMPT, room), max(1, min(context // 2, room, LONG_PROMPT))})
 
 
 def _vision(backend: VisionBackend, shape: tuple[int, ...], settings: Settings) -> int:
