@@ -153,11 +153,13 @@ def test_fairseq_lm_exports_for_onnxruntime_genai(fixture: str, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_fp16_folder_reports_deltas(hf_folders: dict[str, Path], tmp_path: Path) -> None:
-    """qwen3 mixes both attention nodes; MultiMaxAttention is an fp32 kernel and onnxruntime-genai gives every layer
-    one cache dtype, so both nodes run on an fp32 cache (the rest in fp16); the logits stay float32."""
-    folder = tmp_path / "qwen3_fp16"
-    code, out, err = export([str(hf_folders["qwen3"]), "-o", str(folder), "--fp16", "--samples", "8"])
+@pytest.mark.parametrize("name, cache", [("qwen2", onnx.TensorProto.FLOAT16), ("qwen3", onnx.TensorProto.FLOAT)])
+def test_fp16_folder_reports_deltas(name: str, cache: int, hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """qwen2 (softmax): GroupQueryAttention on an fp16 cache. qwen3 mixes both attention nodes; MultiMaxAttention is
+    an fp32 kernel and onnxruntime-genai gives every layer one cache dtype, so both nodes run on an fp32 cache (the
+    rest in fp16). The logits stay float32."""
+    folder = tmp_path / f"{name}_fp16"
+    code, out, err = export([str(hf_folders[name]), "-o", str(folder), "--fp16", "--samples", "8"])
     assert code == 0, out + err
     report = json.loads((folder / REPORT_FILE).read_text())
     assert report["precision"] == "fp16" and report["passed"], report["problems"]
@@ -165,7 +167,7 @@ def test_fp16_folder_reports_deltas(hf_folders: dict[str, Path], tmp_path: Path)
     assert 0 < stats["max_abs"] <= 2e-2 and stats["next_token_agreement"] >= 0.99
     assert 0 <= report["validation"]["genai"]["function_bodies"]["token_agreement"] <= 1
     inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(folder / MODEL_FILE)).graph.input}
-    assert inputs["past_key_values.0.key"] == inputs["past_key_values.1.key"] == onnx.TensorProto.FLOAT
+    assert inputs["past_key_values.0.key"] == inputs["past_key_values.1.key"] == cache
     weights = {t.data_type for t in onnx.load(str(folder / MODEL_FILE)).graph.initializer if len(t.dims) == 2}
     assert weights == {onnx.TensorProto.FLOAT16}
     outputs = {o.name: o.type.tensor_type.elem_type for o in onnx.load(str(folder / MODEL_FILE)).graph.output}
