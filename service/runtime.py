@@ -20,9 +20,9 @@ from service.config import Settings
 from service.decoding import DecodePool
 from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import ServiceError, shown
-from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
 from service.registry import Failed, Loaded
+from service.scheduler import TextScheduler
 from service.vision import Preprocess
 
 log = logging.getLogger(__name__)
