@@ -153,21 +153,24 @@ def _penalize(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> None:
     logits -= freq * counts + presence * (counts > 0)
 
 
-def _draws(rows: Sequence[SamplerRow], sampling: list[bool]) -> torch.Tensor:
-    """One uniform number in [0, 1) per sampling row, from that row's generator (0 for the others)."""
-    return torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) if s
-                        else torch.zeros((), dtype=torch.float64) for r, s in zip(rows, sampling, strict=True)])
-
-
 def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplerRow],
                     ) -> tuple[torch.Tensor, list[Exception | None]]:
-    """The logits (B, V) in float64 after each row's processors, logit_bias, eos ban and penalties (what greedy
-    takes the argmax of, and temperature scales), and each row's error."""
-    logits = logits.detach().to("cpu", torch.float64, copy=True)
-    finite = torch.isfinite(logits).all(-1).tolist()
-    errors: list[Exception | None] = [
-        None if ok else NonFiniteLogits("the model produced non-finite logits for this sequence") for ok in finite]
-    logits[~torch.tensor(finite, dtype=torch.bool)] = 0.0  # keep the batch's arithmetic finite
+    """The logits (B, V) after each row's processors, logit_bias, eos ban and penalties (what greedy takes the
+    argmax of, and temperature scales; a float64 copy where anything changes them, else `logits` themselves),
+    and each row's error."""
+    logits = logits.detach().cpu()
+    finite = torch.isfinite(logits).all(-1)
+    errors: list[Exception | None] = [None] * len(rows)
+    all_finite = bool(finite.all())
+    params = [r.params for r in rows]
+    if all_finite and not any(p.processors or p.logit_bias or p.penalized for p in params) \
+            and not any(r.banned for r in rows):
+        return logits, errors  # the common path: nothing to change, nothing copied
+    logits = logits.to(torch.float64, copy=True)
+    if not all_finite:
+        for i in torch.nonzero(~finite)[:, 0].tolist():
+            errors[i] = NonFiniteLogits("the model produced non-finite logits for this sequence")
+        logits[~finite] = 0.0  # keep the batch's arithmetic finite
     _apply_processors(logits, rows, errors)
     _bias_and_ban(logits, rows, errors)
     _penalize(logits, rows)
@@ -179,39 +182,56 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], output_function: st
     """Next token of each row from `logits` (B, V), and each row's error (None where it was sampled; a failed
     row's token is meaningless)."""
     logits, errors = adjusted_logits(logits, rows)
-    greedy_token = logits.argmax(-1)
+    tokens = logits.argmax(-1)  # greedy, and where sampling degenerates
+    drawing = [i for i, (r, e) in enumerate(zip(rows, errors, strict=True))
+               if r.params.temperature > 0 and r.params.top_p > 0 and e is None]
+    if drawing:
+        subset = logits if len(drawing) == len(rows) else logits[drawing]
+        drawn = _draw(subset, [rows[i] for i in drawing], output_function, tokens[drawing])
+        if len(drawing) == len(rows):
+            tokens = drawn
+        else:
+            tokens[drawing] = drawn
+    return tokens.tolist(), errors
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[SamplerRow], output_function: str | None,
+          greedy: torch.Tensor) -> torch.Tensor:
+    """One draw per row (all of them sample: temperature > 0, top_p > 0), in float64; `greedy` where sampling
+    degenerates."""
     params = [r.params for r in rows]
-    sampling = [p.temperature > 0 and p.top_p > 0 and e is None for p, e in zip(params, errors, strict=True)]
-    if not any(sampling):
-        return greedy_token.tolist(), errors
     vocab = logits.shape[-1]
-    on = torch.tensor(sampling)
-    temperature = torch.tensor([p.temperature if s else 1.0 for p, s in zip(params, sampling, strict=True)],
-                               dtype=logits.dtype)[:, None]
-    scaled = logits / temperature
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    scaled = logits.double() / temperature
     # temperature -> 0: logits / temperature leaves the finite range; the distribution tends to the argmax
     degenerate = (~torch.isfinite(scaled) & (logits > float("-inf"))).any(-1)
-    scaled = torch.where(degenerate[:, None], logits, scaled)
+    scaled = torch.where(degenerate[:, None], logits.double(), scaled)
     out = as_output_logits(output_function, scaled)
-    ordered, order = torch.sort(out, descending=True, dim=-1)
-    k = torch.tensor([min(p.top_k or vocab, vocab) for p in params])
-    kth = ordered.gather(-1, (k - 1)[:, None])
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # ties at the k-th value survive
-    top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], dtype=logits.dtype)[:, None]
+    k = [min(p.top_k or vocab, vocab) for p in params]
+    if max(k) == vocab and all(p.top_p >= 1 for p in params):  # no filter: draw in vocabulary order, no sort
+        ordered, order = out, None
+    elif max(k) < vocab and all(p.top_p >= 1 for p in params):
+        ordered, order = torch.topk(out, max(k), dim=-1)  # top-k alone: the best k of each row suffice
+    else:  # top-p: the whole vocabulary in descending order
+        ordered, order = torch.sort(out, descending=True, dim=-1)
+    if order is not None:
+        kth = ordered.gather(-1, (torch.tensor(k) - 1)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # ties at the k-th value survive
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params],
+                             dtype=torch.float64)[:, None]
+        probs = ordered.softmax(-1)
+        ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))  # the top one stays
     probs = ordered.softmax(-1)
-    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))  # the top one always stays
-    probs = ordered.softmax(-1)
-    total = probs.sum(-1)
-    ok = torch.isfinite(probs).all(-1) & (total > 0)
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
     probs = torch.where(ok[:, None], probs, 0.0)
     cdf = probs.cumsum(-1)
-    u = _draws(rows, sampling)
+    u = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in rows])  # each its own
     pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    # probs are in descending order, so the kept tokens are a prefix: rounding at its end never picks a dropped one
-    last_kept = ((probs > 0).sum(-1) - 1).clamp(min=0)
-    drawn = order.gather(-1, torch.minimum(pos, last_kept)[:, None])[:, 0]
-    tokens = torch.where(on & ~degenerate & ok, drawn, greedy_token)
-    return tokens.tolist(), errors
+    # rounding at the top end of the cdf never picks a token of probability 0: the last one that has any
+    last_kept = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    pos = torch.minimum(pos, last_kept)
+    drawn = pos if order is None else order.gather(-1, pos[:, None])[:, 0]
+    return torch.where(~degenerate & ok, drawn, greedy)
 
 
 @dataclass
