@@ -19,6 +19,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from service.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
+from service.engine_status import http_error
+
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("base", "engine", "protocols", "edge")
 
@@ -173,3 +176,22 @@ def test_an_upward_import_is_caught() -> None:
         "service.kvcache (engine) imports the web framework fastapi",
         "service.lonely has no layer: add it to LAYER in test_service_layers.py",
     ]
+
+
+def test_the_edge_answers_each_engine_error_as_the_engine_did_before() -> None:
+    # status, body code, Retry-After and the requests counter's outcome label, as when the engine raised them
+    cases = [
+        (QueueFull("model m has 3 requests queued; retry later", 7), 429, "queue_full", {"Retry-After": "7"},
+         "rejected"),
+        (ShuttingDown(), 503, "shutting_down", {}, "rejected"),
+        (DeadlineExceeded("deadline exceeded while queued"), 504, "deadline_exceeded", {}, "timeout"),
+        (Cancelled("client disconnected"), 499, "client_disconnected", {}, "cancelled"),
+        (TooLarge("9 inputs in one request exceed the model's max batch size 8"), 400, "batch_too_large", {},
+         "invalid_input"),
+        (ModelFailed("model failed on this input: RuntimeError"), 500, "model_error", {}, "error"),
+    ]
+    for exc, status, code, headers, outcome in cases:
+        error = http_error(exc)
+        assert (error.status, error.code, error.headers, error.outcome, error.message) == (
+            status, code, headers, outcome, exc.message)
+    assert ShuttingDown().message == "server is shutting down"
