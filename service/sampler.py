@@ -174,6 +174,11 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplerRow],
     _apply_processors(logits, rows, errors)
     _bias_and_ban(logits, rows, errors)
     _penalize(logits, rows)
+    # a processor may allow only tokens the eos ban then removes (eos alone, before min_tokens): nothing to draw
+    for i in torch.nonzero(~(logits > float("-inf")).any(-1))[:, 0].tolist():
+        if errors[i] is None:
+            errors[i] = ProcessorFailed("no token left to sample: the logits processors and the eos ban exclude "
+                                        "every token")
     return logits, errors
 
 

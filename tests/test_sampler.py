@@ -227,14 +227,16 @@ def test_a_failing_processor_or_non_finite_row_fails_only_itself() -> None:
         return torch.full_like(logits, float("-inf"))
     rows = [Row(SamplingParams(8, processors=(_boom,))), Row(SamplingParams(8, temperature=0.0)),
             Row(SamplingParams(8, temperature=0.0)), Row(SamplingParams(8, processors=(nothing_left,))),
-            Row(SamplingParams(8, temperature=0.0, processors=(lambda g, x: x[:2],)))]
-    logits = torch.stack([LOGITS, LOGITS, bad, LOGITS, LOGITS])
+            Row(SamplingParams(8, temperature=0.0, processors=(lambda g, x: x[:2],))),
+            Row(SamplingParams(8, processors=(Force(5),)), banned=(5,))]  # only eos allowed, and eos banned
+    logits = torch.stack([LOGITS, LOGITS, bad, LOGITS, LOGITS, LOGITS])
     tokens, errors = sample(logits, rows)
     assert isinstance(errors[0], ProcessorFailed) and "grammar exploded" in str(errors[0])
     assert errors[1] is None and tokens[1] == 3
     assert isinstance(errors[2], NonFiniteLogits)
     assert isinstance(errors[3], ProcessorFailed) and "no finite logit" in str(errors[3])
     assert isinstance(errors[4], ProcessorFailed) and "shape" in str(errors[4])
+    assert isinstance(errors[5], ProcessorFailed) and "no token left" in str(errors[5])
 
 
 def test_processors_in_the_decode_loop_fail_only_their_own_sequence() -> None:
