@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
-from service.auth import authenticated
 from service.bodies import JSON, require_media
+from service.context import authenticated
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps

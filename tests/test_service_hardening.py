@@ -43,6 +43,8 @@ from service.app import create_app
 from service.batcher import DynamicBatcher
 from service.config import Settings, load_settings
 from service.decoding import DecodePool
+from service.engine_errors import EngineError
+from service.engine_status import http_error
 from service.errors import ServiceError
 from service.metrics import Metrics
 from service.pngcheck import missing_rows
@@ -686,9 +688,9 @@ def test_retry_after_follows_the_queued_work_not_the_model_call() -> None:
         while batcher.queued > 35:  # a few batches measured
             await asyncio.sleep(0)
         futures += [batcher.enqueue(np.zeros((1, 2), np.float32), due) for _ in range(40 - batcher.queued)]
-        with pytest.raises(ServiceError) as refused:
+        with pytest.raises(EngineError) as refused:
             batcher.check_room()
-        retry_after = int(refused.value.headers["Retry-After"])
+        retry_after = int(http_error(refused.value).headers["Retry-After"])
         results = await asyncio.gather(*futures)
         busy = False
         await hog
