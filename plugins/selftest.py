@@ -216,8 +216,8 @@ def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]
     output each (named `<function>` / `<function>NoMask`), with their function bodies: (ModelProto, names)."""
     from onnx import TensorProto, helper
 
-    from models.onnx_contract import REWEIGHTING_OPS
-    from plugins.onnx_reweighting import reweighting_function_protos
+    from models.onnx_contract import REWEIGHTING_OPS, reweighting_op_types
+    from plugins.onnx_functions import function_protos
     from plugins.ort_ops.graphs import reweighting_node
 
     nodes, names = [], []
@@ -233,7 +233,8 @@ def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in names],
     )  # fmt: skip
     opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
-    model = helper.make_model(graph, opset_imports=opset, functions=reweighting_function_protos(18), ir_version=10)
+    model = helper.make_model(graph, opset_imports=opset, functions=function_protos(18, set(reweighting_op_types())),
+                             ir_version=10)
     return model, names
 
 
@@ -309,9 +310,10 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
     graph = helper.make_graph(nodes, "multimax_selftest", [x_info, m_info], outs)
     opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
     try:  # the exporter's function bodies: the engine must still use the plugins
+        from models.onnx_contract import multimax_op_types
         from plugins.onnx_functions import function_protos
 
-        functions = function_protos(18)
+        functions = function_protos(18, set(multimax_op_types()))
     except ImportError:
         functions = []
     # IR 10, as the exporter writes: the installed onnx defaults to a newer IR than TensorRT's parser reads.

@@ -13,7 +13,6 @@ from onnx import NodeProto, TensorProto, helper
 
 from models.onnx_contract import ONNX_DOMAIN, plugin_attrs
 from plugins.onnx_functions import function_protos
-from plugins.onnx_reweighting import reweighting_function_protos
 
 OPSET = 18
 Shape = Sequence[int | str] | None
@@ -25,7 +24,7 @@ def _model(nodes: list, inputs: list, output: str, initializers: Sequence = ()) 
         list(initializers),
     )  # fmt: skip
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("multimax", 1)]
-    functions = function_protos(OPSET) + reweighting_function_protos(OPSET)
+    functions = function_protos(OPSET)
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, ir_version=10)
     return model.SerializeToString()
 
