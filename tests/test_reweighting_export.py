@@ -19,10 +19,9 @@ from models.checkpoint import Checkpoint, save_checkpoint
 from models.deit import DeiT, DeiTConfig
 from models.demo import DEMO_DIR, VISION_MULTIMAX
 from models.gpt import GPT, GPTConfig
-from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
+from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS, reweighting_op_types
 from models.tokenizer import ByteTokenizer
 from plugins import ort_ops
-from models.onnx_contract import reweighting_op_types
 from plugins.onnx_functions import attribute_problems, function_protos
 
 # Attributes of the single-node test models (offset/scale per head: 3 heads on axis 1).
