@@ -22,9 +22,9 @@ from onnx import AttributeProto, TensorProto, helper
 
 from models.onnx_contract import MASKED_BELOW
 
-_REF_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
+ATTRIBUTE_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
               "eps": AttributeProto.FLOAT, "m": AttributeProto.FLOAT, "ranges": AttributeProto.FLOATS,
-              "ts": AttributeProto.FLOATS}  # fmt: skip
+              "ts": AttributeProto.FLOATS, "order": AttributeProto.INT}  # fmt: skip
 _REF_VALUE = {
     AttributeProto.INT: "value_int", AttributeProto.FLOATS: "value_floats", AttributeProto.FLOAT: "value_float"
 }
@@ -58,7 +58,7 @@ class Body:
         """A Constant holding the calling node's attribute `name`."""
         out = f"t{next(self._names)}"
         node = helper.make_node("Constant", [], [out])
-        kind = _REF_TYPES[name]
+        kind = ATTRIBUTE_TYPES[name]
         node.attribute.append(AttributeProto(name=_REF_VALUE[kind], ref_attr_name=name, type=kind))
         self.nodes.append(node)
         return out

@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 
 from models import onnx_contract
-from models.reweighting import OTHER_FUNCTIONS
+from plugins.family import REWEIGHT_FNS
 from plugins.kernel import MAX_BLOCK_L, SUPPORTED_DTYPES, choose_config, mask_args, require_runnable
 
-FNS = OTHER_FUNCTIONS  # the kernel's FN constant is the index in this tuple
+FNS = REWEIGHT_FNS  # the kernel's FN constant is the index in this tuple
 MAX_COLS = MAX_BLOCK_L  # a whole row in one tile
 # Globals a compiled (not interpreted) @triton.jit kernel reads must be constexpr objects.
 MASKED_BELOW = tl.constexpr(onnx_contract.MASKED_BELOW)

@@ -137,7 +137,7 @@ def reweight_rows(device: torch.device) -> list[Row]:
 def reweight_op_rows(device: torch.device, compile_backend: str) -> list[Row]:
     """torch.ops.multimax_serve.reweight eagerly and under torch.compile(fullgraph=True), per-head Gaussian."""
     from models.reweighting import gaussian
-    from plugins.reweight_op import reweight
+    from plugins.torch_op import reweight
 
     x = torch.randn(2, 3, 16, 16, device=device) * 3
     mask = _causal_mask(16, 16, device)

@@ -17,7 +17,7 @@ from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
 from models.gpt import KVCache
 from models.loading import CheckpointError, check_keys
-from plugins.reweight_op import use_fused_kernels
+from plugins.torch_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
 
