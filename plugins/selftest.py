@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from models.onnx_contract import ONNX_DOMAIN
+
 FP32_TOL = 1e-6
 FP16_TOL = 1e-3
 DEIT_SMALL = (64, 6, 197, 197)  # batch, heads, tokens, tokens: the speed target's shape
@@ -232,7 +234,7 @@ def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]
          helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, t, t])],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in names],
     )  # fmt: skip
-    opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
+    opset = [helper.make_opsetid("", 18), helper.make_opsetid(ONNX_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opset, functions=function_protos(18, set(reweighting_op_types())),
                              ir_version=10)
     return model, names
@@ -294,7 +296,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
         "plugin_namespace": "multimax",
     }
     nodes = [
-        helper.make_node(op, ins, [out], domain="multimax", plugin_name=op, **attrs)
+        helper.make_node(op, ins, [out], domain=ONNX_DOMAIN, plugin_name=op, **attrs)
         for op, ins, out in (
             ("MultiMax", ["x", "mask"], "probs"),
             ("MultiMaxNoMask", ["x"], "probs_nomask"),
@@ -308,7 +310,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
         for n in ("probs", "probs_nomask", "sigma")
     ]
     graph = helper.make_graph(nodes, "multimax_selftest", [x_info, m_info], outs)
-    opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
+    opset = [helper.make_opsetid("", 18), helper.make_opsetid(ONNX_DOMAIN, 1)]
     try:  # the exporter's function bodies: the engine must still use the plugins
         from models.onnx_contract import multimax_op_types
         from plugins.onnx_functions import function_protos
