@@ -62,7 +62,7 @@ def _cache(past: str, new: str, out: str, visible: str) -> list[onnx.NodeProto]:
 def _sigma(scores: str, out: str) -> list[onnx.NodeProto]:
     """MultiMax's modulation of `scores` into `out`, the chain of every MultiMax body (plugins.onnx_bodies)."""
     b = Body(masked=False)
-    b.nodes.append(helper.make_node("Identity", [b.sigma(scores)], [out]))
+    b.name_output(b.sigma(scores), out)
     return b.nodes
 
 

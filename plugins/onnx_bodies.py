@@ -47,6 +47,15 @@ class Body:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
         return outs
 
+    def name_output(self, result: str, name: str) -> None:
+        """Give the body's result the name `name`: the last node's output renamed where it produced it (no extra
+        node), else an Identity."""
+        last = self.nodes[-1] if self.nodes else None
+        if last is not None and result in last.output:
+            last.output[list(last.output).index(result)] = name
+        else:
+            self.nodes.append(helper.make_node("Identity", [result], [name]))
+
     def const(self, value: float | int | list[int]) -> str:
         if isinstance(value, list):
             return self.op("Constant", value_ints=value)

@@ -27,7 +27,7 @@ def function_protos(opset: int, ops: set[str] | None = None) -> list[onnx.Functi
                 continue
             masked = member.takes_mask(op)
             b = Body(masked)
-            b.nodes.append(helper.make_node("Identity", [member.op_of(op).body(b)], ["y"]))
+            b.name_output(member.op_of(op).body(b), "y")
             out.append(helper.make_function(
                 ONNX_DOMAIN, op, ["x", "mask"] if masked else ["x"], ["y"], b.nodes, [helper.make_opsetid("", opset)],
                 attributes=[*member.attributes, *PLUGIN_ATTRIBUTES],
