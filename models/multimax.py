@@ -182,7 +182,7 @@ def attention_probs(
         frozen = _export_attrs(owner, order, op)
         if frozen is not None:
             return _export_node(op, _affine(owner, scores), mask, frozen)
-        fused = vars(owner).get("fused")
+        fused = getattr(owner, "fused", None)
         if fused is not None and scores.is_cuda and not torch.is_grad_enabled():
             return fused(_affine(owner, scores), owner.ranges, owner.ts, order, mask)
     half = scores.dtype in (torch.float16, torch.bfloat16)
