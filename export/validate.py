@@ -20,7 +20,7 @@ from models.generate import generate
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 from models.output_function import probabilities as output_probabilities
 from models.registry import TextModel
-from plugins.onnx_reweighting import attribute_problems
+from plugins.onnx_functions import attribute_problems
 
 LOGITS_ATOL = 1e-4
 

@@ -24,7 +24,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from models.onnx_contract import ONNX_DOMAIN, PLUGIN_ATTRIBUTES
-from plugins.onnx_functions import _sigma_nodes
+from plugins.onnx_bodies import Body
 
 OP = "MultiMaxAttention"
 ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "ranges", "ts", "order", *PLUGIN_ATTRIBUTES)
@@ -66,6 +66,13 @@ def _cache(past: str, new: str, out: str, visible: str) -> list[onnx.NodeProto]:
         n("Concat", [out + "_head", new, out + "_tail"], [out], axis=2),
         n("Slice", [out, "zero1", "total1", "axis2"], [visible]),
     ]
+
+
+def _sigma(scores: str, out: str) -> list[onnx.NodeProto]:
+    """MultiMax's modulation of `scores` into `out`, the chain of every MultiMax body (plugins.onnx_bodies)."""
+    b = Body(masked=False)
+    b.name_output(b.sigma(scores), out)
+    return b.nodes
 
 
 def attention_function_proto(opset: int) -> onnx.FunctionProto:
@@ -111,7 +118,7 @@ def attention_function_proto(opset: int) -> onnx.FunctionProto:
         n("Constant", [], ["open"], value=helper.make_tensor("open", TensorProto.FLOAT, [], [0.0])),
         n("Constant", [], ["shut"], value=helper.make_tensor("shut", TensorProto.FLOAT, [], [FLOAT32_MIN])),
         n("Where", ["allowed", "open", "shut"], ["mask"]),
-        *_sigma_nodes("scores", "sigma"),
+        *_sigma("scores", "sigma"),
         n("Add", ["sigma", "mask"], ["modulated"]),  # after the modulation, as in every MultiMax body
         n("Softmax", ["modulated"], ["probs"], axis=-1),
         n("MatMul", ["probs", "values"], ["o_bhsd"]),
