@@ -34,6 +34,7 @@ from models.checkpoint import Checkpoint, load
 from models.gpt import GPT
 from models.labels import read_labels
 from models.onnx_contract import attention_function
+from models.spec import VisionSpec
 from plugins.trt_plugin import tensorrt_unavailable
 
 MIN_OPSET = 18
@@ -221,7 +222,9 @@ def attach_labels(ckpt: Checkpoint, path: Path) -> None:
     if registry.task_of(ckpt.arch) != registry.VISION:
         raise ExportError(f"--labels is for image classifiers; this checkpoint is a {ckpt.arch} "
                           f"({registry.task_of(ckpt.arch)}) model")
-    ckpt.labels = read_labels(path, int(ckpt.config["num_classes"]))
+    spec = ckpt.spec()
+    assert isinstance(spec, VisionSpec)
+    ckpt.labels = read_labels(path, spec.classes)
 
 
 def _named(path: Path, base: Path | None) -> str:

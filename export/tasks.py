@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -17,7 +17,8 @@ from export.samples import default_samples
 from export.validate import Tolerance, validate_text, validate_vision
 from models import registry
 from models.checkpoint import Checkpoint
-from models.deit import DeiT
+from models.registry import TextModel
+from models.spec import VisionSpec
 
 # (model, checkpoint, out, opset=, inline=, precision=, verbose=) -> the written path
 Exporter = Callable[..., Path]
@@ -25,16 +26,16 @@ Exporter = Callable[..., Path]
 
 def _validate_vision(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
                      batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
-    assert isinstance(model, DeiT), f"a vision export needs a DeiT, got {type(model).__name__}"
-    samples = samples or default_samples(model, ckpt.config, batch_sizes)
-    return validate_vision(model, out, ckpt.config, samples=samples, batch_sizes=batch_sizes, tolerance=tolerance,
+    spec = ckpt.spec()
+    assert isinstance(spec, VisionSpec), f"a vision export needs an image classifier, got {ckpt.arch}"
+    samples = samples or default_samples(model, spec, batch_sizes)
+    return validate_vision(model, out, spec, samples=samples, batch_sizes=batch_sizes, tolerance=tolerance,
                            phases=phases)
 
 
 def _validate_text(model: nn.Module, out: Path, ckpt: Checkpoint, samples: int | None,
                    batch_sizes: tuple[int, ...], tolerance: Tolerance, phases: Phases) -> dict[str, Any]:
-    assert isinstance(model, registry.TextModel), f"a text export needs a text model, got {type(model).__name__}"
-    return validate_text(model, out, samples=samples or 100, tolerance=tolerance, phases=phases)
+    return validate_text(cast(TextModel, model), out, samples=samples or 100, tolerance=tolerance, phases=phases)
 
 
 @dataclass(frozen=True)

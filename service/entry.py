@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from models import registry as architectures
+from models.spec import ModelSpec, TextSpec
 from models.tokenizer import TextTokenizer
 from service.backends.base import Backend
 from service.vision import Preprocess
@@ -31,7 +32,8 @@ class ModelEntry:
     name: str
     arch: str
     backend: Backend
-    config: dict[str, Any]
+    config: dict[str, Any]  # the architecture's own fields, shown as they are (read only through `spec`)
+    spec: ModelSpec  # what the model takes and gives (models.spec): the server reads sizes only here
     labels: list[str] | None = None
     preprocess: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
@@ -44,8 +46,8 @@ class ModelEntry:
 
     @property
     def kind(self) -> architectures.Task:
-        """The architecture's task: "vision" or "text"."""
-        return architectures.task_of(self.arch)
+        """The model's task: "vision" or "text"."""
+        return self.spec.TASK
 
     @property
     def served(self) -> ServedTask:
@@ -57,7 +59,7 @@ class ModelEntry:
 
     @property
     def context_length(self) -> int | None:
-        return int(self.config["block_size"]) if self.kind == architectures.TEXT else None
+        return self.spec.context_length if isinstance(self.spec, TextSpec) else None
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.task, **self.backend.describe()}

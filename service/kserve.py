@@ -80,7 +80,7 @@ def io_spec(rt: ModelRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]
                 [{"name": LOGITS, "datatype": "FP32", "shape": [-1, len(rt.labels)]}])
     return ([{"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
              {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1], "optional": True}],
-            [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, int(rt.entry.config["vocab_size"])]}])
+            [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, rt.vocab_size]}])
 
 
 def _model(request: Request, name: str, version: str | None) -> ModelRuntime:
@@ -238,7 +238,7 @@ def text_inputs(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: int)
     if extra:
         raise bad(f"unknown input(s) {', '.join(extra)} (model takes {INPUT_IDS}, {ATTENTION_MASK})")
     ids = _exact(tensors, INPUT_IDS, "INT64")
-    context, vocab = rt.context_length, int(rt.entry.config["vocab_size"])
+    context, vocab = rt.context_length, rt.vocab_size
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
         raise bad(f"input input_ids: shape {list(ids.shape)}, expected [n, T] with n, T >= 1")
     if ids.shape[0] > max_batch:

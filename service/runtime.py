@@ -135,6 +135,7 @@ class TextRuntime(_Runtime):
         self.backend: TextBackend = entry.backend
         self.tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
         self.context_length: int = entry.context_length
+        self.vocab_size: int = self.tokenizer.vocab_size  # validated against the spec's at load
         self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
                                                      executor, metrics, settings.max_running_sequences,
                                                      settings.max_waiting_sequences,

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from models.registry import VISION
+from models.spec import TextSpec
 from service.backends.base import TextBackend, VisionBackend
 from service.config import Settings
 from service.entry import ModelEntry
@@ -72,4 +73,5 @@ def warm_up(entry: ModelEntry, settings: Settings) -> int:
         assert isinstance(entry.backend, VisionBackend) and entry.preprocessor is not None
         return _vision(entry.backend, entry.preprocessor.shape, settings)
     assert isinstance(entry.backend, TextBackend) and entry.context_length is not None
-    return _text(entry.backend, entry.context_length, int(entry.config["vocab_size"]), settings)
+    assert isinstance(entry.spec, TextSpec)
+    return _text(entry.backend, entry.context_length, entry.spec.vocab_size, settings)

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from models import registry as architectures
-from models.onnx_contract import LOGITS, PAST_PREFIX, PIXEL_VALUES
+from models.onnx_contract import LOGITS, PIXEL_VALUES, past_names
+from models.spec import TextSpec, VisionSpec
 from service.backends.base import TextBackend
 from service.entry import ModelEntry
 
@@ -33,44 +33,42 @@ def _compare(source: str, what: str, got: list[int | None], want: list[int | Non
 
 
 def check_io(entry: ModelEntry, source: str) -> None:
-    cfg = entry.config
-    vision = entry.kind == architectures.VISION
-    if vision:
+    spec = entry.spec
+    if isinstance(spec, VisionSpec):
         assert entry.preprocessor is not None
         classes = len(entry.labels or [])
-        if isinstance(cfg.get("num_classes"), int) and cfg["num_classes"] != classes:
-            raise ValueError(f"{source}: {classes} labels for a model of {cfg['num_classes']} classes")
-        if isinstance(cfg.get("in_chans"), int) and cfg["in_chans"] != entry.preprocessor.shape[0]:
+        if spec.classes != classes:
+            raise ValueError(f"{source}: {classes} labels for a model of {spec.classes} classes")
+        if spec.channels != entry.preprocessor.shape[0]:
             raise ValueError(f"{source}: preprocess gives {entry.preprocessor.shape[0]} channels, the model takes "
-                             f"{cfg['in_chans']}")
+                             f"{spec.channels}")
     session = getattr(entry.backend, "session", None)
     if session is None:  # PyTorch: the config was checked against the weights; TensorRT: its engine decides
         return
     inputs = {i.name: _static(i.shape) for i in session.get_inputs()}
     outputs = {o.name: _static(o.shape) for o in session.get_outputs()}
-    if vision:
+    if isinstance(spec, VisionSpec):
         assert entry.preprocessor is not None
         _compare(source, f"input {PIXEL_VALUES}", inputs.get(PIXEL_VALUES, []), [None, *entry.preprocessor.shape])
         _compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, len(entry.labels or [])])
     else:
-        _compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, None, int(cfg["vocab_size"])])
-        n_head, n_embd = cfg.get("n_head"), cfg.get("n_embd")
-        if isinstance(n_head, int) and isinstance(n_embd, int) and n_head > 0:
-            for name, dims in inputs.items():
-                if name.startswith(PAST_PREFIX):
-                    _compare(source, f"input {name}", dims, [None, n_head, None, n_embd // n_head])
+        _compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, None, spec.vocab_size])
+        for layer, (key, value) in enumerate(past_names(spec.layers)):
+            for name in (key, value):
+                if name in inputs:
+                    _compare(source, f"input {name}", inputs[name], [None, spec.kv_heads[layer], None, spec.head_size])
 
 
 def check_context(entry: ModelEntry, source: str) -> None:
     """A text model's claimed context against its graph: one prompt of the full context must compute (and give
     finite logits). A file whose metadata claims more positions than its position table holds would otherwise
     load, then fail every long prompt with a 500 (and take the model's readiness with it)."""
-    if entry.kind != architectures.TEXT:
+    if not isinstance(entry.spec, TextSpec):
         return
 
     backend = entry.backend
     assert isinstance(backend, TextBackend)
-    context, vocab = int(entry.config["block_size"]), int(entry.config["vocab_size"])
+    context, vocab = entry.spec.context_length, entry.spec.vocab_size
     ids = (np.arange(context, dtype=np.int64) % vocab)[None]
     mask = np.ones_like(ids)
     try:

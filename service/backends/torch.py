@@ -7,7 +7,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,8 +15,9 @@ from torch import nn
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
-from models.gpt import KVCache
 from models.loading import CheckpointError, check_keys
+from models.registry import TextModel
+from models.spec import TEXT, VisionSpec
 from plugins.reweight_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
@@ -81,7 +82,9 @@ class _TorchBackend(Backend):
 
 class TorchVisionBackend(_TorchBackend, VisionBackend):
     def _warm_up(self) -> None:
-        c, size = int(self.config["in_chans"]), int(self.config["img_size"])
+        spec = self.checkpoint.spec()
+        assert isinstance(spec, VisionSpec)
+        c, size = spec.channels, spec.image_size
         for batch in (1, 2):
             self.run_vision(np.zeros((batch, c, size, size), np.float32))
 
@@ -114,8 +117,8 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         return logits.float().cpu().numpy()
 
     def empty_past(self, batch: int) -> Past:
-        config = architectures.get(self.checkpoint.arch).config(self.config)  # GPT's or fairseq's: both size a cache
-        return KVCache.empty(config, batch, device=self.device).layers
+        model = cast(TextModel, self.model)
+        return list(model.empty_past(batch, dtype=torch.float32, device=self.device))
 
 
 def TorchBackend(
@@ -134,5 +137,5 @@ def TorchBackend(
         model = build_model(ckpt, str(path))
     except CheckpointError as exc:
         raise BackendUnavailable(str(exc)) from None
-    cls = TorchTextBackend if architectures.task_of(ckpt.arch) == architectures.TEXT else TorchVisionBackend
+    cls = TorchTextBackend if ckpt.spec().TASK == TEXT else TorchVisionBackend
     return cls(path, ckpt, model, where, compile)
