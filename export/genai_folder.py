@@ -19,7 +19,9 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
+
+from torch import nn
 
 from export.genai_graph import export_genai_text
 from export.hf_tokenizer import special_tokens_map, tokenizer_config, tokenizer_json
@@ -40,6 +42,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def is_folder_output(output: Path | None) -> bool:
     """-o names a folder (anything but a .onnx file) -> the onnxruntime-genai folder export."""
     return output is not None and output.suffix != ".onnx"
+
+
+def takes(model: nn.Module) -> TypeGuard[GPT]:
+    """Whether the folder export has a decoder graph for this model (the project's GPT so far)."""
+    return isinstance(model, GPT)
 
 
 def check_folder_target(out: Path) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from export.genai_folder import MODEL_FILE, REPORT_FILE, check_folder_target, is_folder_output, write_folder
+from export.genai_folder import takes as genai_takes
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.precision import Precision
 from export.progress import Phases, exporter_stages
@@ -31,7 +32,6 @@ from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
 from models import registry
 from models.checkpoint import Checkpoint, load
-from models.gpt import GPT
 from models.labels import read_labels
 from models.onnx_contract import attention_function
 from models.spec import VisionSpec
@@ -161,14 +161,14 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     if folder and registry.task_of(ckpt.arch) != registry.TEXT:
         raise ExportError(f"-o {folder}: the onnxruntime-genai folder export is for text models, {ckpt.arch} is not "
                           "one; name a .onnx file")
-    if folder and not isinstance(model, GPT):  # Hugging Face-layout decoders: issue 24's next step
+    if folder and not genai_takes(model):  # Hugging Face-layout decoders: issue 24's next step
         raise ExportError(f"-o {folder}: the onnxruntime-genai folder export takes the project's gpt checkpoints; "
                           f"{ckpt.arch} is not supported there yet: name a .onnx file for a single-file export")
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
             if folder:
-                assert isinstance(model, GPT)  # other architectures were refused above
+                assert genai_takes(model)  # other architectures were refused above
                 write_folder(model, ckpt, folder, opset=options.opset, verbose=True)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
@@ -196,7 +196,7 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         if folder:
             from export.genai_validate import validate_genai_folder
 
-            assert isinstance(model, GPT)
+            assert genai_takes(model)
             report["validation"] = validate_genai_folder(model, folder, options.samples or 100, tolerance=tolerance,
                                                          phases=phases)
         else:

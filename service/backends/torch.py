@@ -26,7 +26,17 @@ log = logging.getLogger(__name__)
 _threads_lock = threading.Lock()
 
 
-_LAYER_KEY = re.compile(r"^(?:blocks|decoder\.layers)\.(\d+)\.")
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")  # a module list's item: `<list>.<index>.` (the first one in a key)
+
+
+def _layer_count(keys: list[str]) -> int:
+    """The length of the longest numbered module list in the weights (the transformer blocks, whatever an
+    architecture names them: `blocks.{i}.`, `layers.{i}.`, fairseq's `decoder.layers.{i}.`, ...)."""
+    lists: dict[str, set[str]] = {}
+    for key in keys:
+        if m := _NUMBERED.match(key):
+            lists.setdefault(m.group(1), set()).add(m.group(2))
+    return max(map(len, lists.values()), default=0)
 
 
 def check_sizes(ckpt: Checkpoint, source: str) -> None:
@@ -35,11 +45,10 @@ def check_sizes(ckpt: Checkpoint, source: str) -> None:
     torch's meta device (shapes without storage) and every weight's shape compared."""
     arch = architectures.get(ckpt.arch)
     depth_key = arch.depth_key
-    # the numbered blocks: `blocks.{i}.` (DeiT, GPT) or fairseq's `decoder.layers.{i}.`
-    layers = {m.group(1) for k in ckpt.state_dict if (m := _LAYER_KEY.match(k))}
+    layers = _layer_count(list(ckpt.state_dict))
     claimed = ckpt.config.get(depth_key)
-    if not isinstance(claimed, int) or claimed != len(layers):
-        raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {len(layers)} layers")
+    if not isinstance(claimed, int) or claimed != layers:
+        raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {layers} layers")
     config = config_of(ckpt)
     with torch.device("meta"):
         skeleton = arch.model(config)
