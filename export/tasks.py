@@ -1,6 +1,6 @@
-"""What export does per task (the export side of `models.registry`): how a model of that task is traced to
+"""What export does per task (the export side of `models.tasks`' rows): how a model of that task is traced to
 ONNX, validated against PyTorch, and described in the summary. Keyed by task, so a new architecture of an
-existing task needs nothing here; a new task adds one entry."""
+existing task needs nothing here; a new task adds one entry, named by its row."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from export.validate import Tolerance, validate_text, validate_vision
 from models import registry
 from models.checkpoint import Checkpoint
 from models.registry import TextModel
-from models.spec import VisionSpec
+from models.spec import Task, VisionSpec
+from models.tasks import TASKS
 
 # (model, checkpoint, out, opset=, inline=, precision=, verbose=) -> the written path
 Exporter = Callable[..., Path]
@@ -48,13 +49,12 @@ class ExportTask:
     greedy_checked: bool  # whether validation compares greedy generations
 
 
-EXPORT_TASKS: dict[registry.Task, ExportTask] = {
-    registry.VISION: ExportTask(export_vision, _validate_vision, "top1_agreement",
-                                lambda v: f"batch sizes {v['batch_sizes']}", greedy_checked=False),
-    registry.TEXT: ExportTask(export_text, _validate_text, "next_token_agreement",
-                              lambda v: f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8",
-                              greedy_checked=True),
-}
+VISION_EXPORT = ExportTask(export_vision, _validate_vision, "top1_agreement",
+                           lambda v: f"batch sizes {v['batch_sizes']}", greedy_checked=False)
+TEXT_EXPORT = ExportTask(export_text, _validate_text, "next_token_agreement",
+                         lambda v: f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8", greedy_checked=True)
+# the export side of models.tasks' rows (each row names its entry here)
+EXPORT_TASKS: dict[Task, ExportTask] = {task: info.part("export") for task, info in TASKS.items()}
 
 
 def export_task(arch: str) -> ExportTask:

@@ -1,30 +1,46 @@
-"""A loaded model as the server knows it (`ModelEntry`), and what each architecture task is served as."""
+"""A loaded model as the server knows it (`ModelEntry`), and the shape of a task's serving side (`ServedTask`;
+the rows themselves are in `service.tasks`, one module per task)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import registry as architectures
-from models.spec import ModelSpec, TextSpec
+from models import tasks
+from models.spec import ModelSpec, Task, TextSpec
 from models.tokenizer import TextTokenizer
 from service.backends.base import Backend
+from service.config import Settings
 from service.vision import Preprocess
 
 
 @dataclass(frozen=True)
 class ServedTask:
-    name: str  # the task name clients see (/v1/models, KServe parameters)
-    endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
-    metadata: tuple[str, ...]  # metadata fields a file must carry to be served (a vision model's labels are optional)
+    """Everything the server does differently per task, in one place (a `service.tasks` module's `TASK`)."""
 
+    info: tasks.TaskInfo  # its row of models.tasks: name, endpoints, required metadata
+    backend: type  # the backend interface (a Backend subclass) a model of this task runs on
+    validate: Callable[[ModelEntry, str], None]  # metadata a request relies on (ValueError naming the problem)
+    check_io: Callable[[ModelEntry, str], None]  # the description against what the backend really computes
+    warm_up: Callable[[ModelEntry, Settings], int]  # representative calls before it is ready; returns how many
+    runtime: Callable[..., Any]  # (entry, executor, settings, metrics) -> its runtime (service.runtime)
+    kserve_io: Callable[[Any], tuple[list[dict[str, Any]], list[dict[str, Any]]]]  # runtime -> metadata in/out
+    kserve_decode: Callable[[Any, dict[str, Any], int], Any]  # (runtime, tensors, max batch) -> its inputs
 
-SERVED_TASKS = {
-    architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("preprocess",)),
-    architectures.TEXT: ServedTask("text-generation", ("completions", "infer"), ("tokenizer",)),
-}
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.info.endpoints
+
+    @property
+    def metadata(self) -> tuple[str, ...]:
+        return self.info.metadata
 
 
 @dataclass
@@ -34,6 +50,7 @@ class ModelEntry:
     backend: Backend
     config: dict[str, Any]  # the architecture's own fields, shown as they are (read only through `spec`)
     spec: ModelSpec  # what the model takes and gives (models.spec): the server reads sizes only here
+    served: ServedTask  # its task's serving side (service.tasks)
     labels: list[str] | None = None
     preprocess: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
@@ -45,13 +62,9 @@ class ModelEntry:
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # its files' (path, mtime, size) when it was loaded
 
     @property
-    def kind(self) -> architectures.Task:
+    def kind(self) -> Task:
         """The model's task: "vision" or "text"."""
         return self.spec.TASK
-
-    @property
-    def served(self) -> ServedTask:
-        return SERVED_TASKS[self.kind]
 
     @property
     def task(self) -> str:
@@ -63,3 +76,7 @@ class ModelEntry:
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.task, **self.backend.describe()}
+
+
+Loaded = dict[str, dict[int, ModelEntry]]  # name -> version -> entry
+Failed = dict[str, dict[int, str]]  # name -> version -> why it is not served

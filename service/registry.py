@@ -18,16 +18,12 @@ from pathlib import Path
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint
-from models.labels import index_labels
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
-from models.spec import TextSpec, VisionSpec
-from models.tokenizer import tokenizer_from_dict
 from service.backends.base import Backend, BackendUnavailable
-from service.backends.checks import check_context, check_io
 from service.config import Settings
-from service.entry import SERVED_TASKS, ModelEntry
+from service.entry import Failed, Loaded, ModelEntry
 from service.errors import without_paths
-from service.vision import Preprocess
+from service.tasks import served
 from service.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -157,14 +153,18 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         except ValueError as exc:
             raise BackendUnavailable(f"{path.name}: unusable model description: {exc}") from None
         task = spec.TASK
-        missing = [field for field in SERVED_TASKS[task].metadata if not getattr(meta, field)]
+        served_task = served(task)
+        if not isinstance(backend, served_task.backend):
+            raise BackendUnavailable(f"{path.name}: the {backend.kind} backend does not run {task} models")
+        missing = [field for field in served_task.metadata if not getattr(meta, field)]
         if missing:
             raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(missing)} metadata; the file "
                                      "has none")
     except BaseException:
         backend.close()
         raise
-    entry = ModelEntry(name, arch, backend, dict(meta.config), spec, meta.labels, meta.preprocess, meta.tokenizer)
+    entry = ModelEntry(name, arch, backend, dict(meta.config), spec, served_task, meta.labels, meta.preprocess,
+                       meta.tokenizer)
     try:
         validate(entry, path.name)
     except BaseException:
@@ -174,43 +174,12 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
 
 
 def validate(entry: ModelEntry, source: str) -> None:
-    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, config sizes against
-    what the backend really computes (a mismatch would otherwise fail every request)."""
-    _VALIDATE[entry.kind](entry, source)
-    check_io(entry, source)
-    check_context(entry, source)
+    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, the description's sizes
+    against what the backend really computes (a mismatch would otherwise fail every request)."""
+    entry.served.validate(entry, source)
+    entry.served.check_io(entry, source)
 
 
-def _validate_vision(entry: ModelEntry, source: str) -> None:
-    try:
-        entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
-    assert isinstance(entry.spec, VisionSpec)
-    if entry.labels is None:  # labels are optional: classes are named by their index until a file gives names
-        entry.labels = index_labels(entry.spec.classes)
-    labels = entry.labels
-    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
-        raise ValueError(f"{source}: labels must be a list of strings")
-
-
-def _validate_text(entry: ModelEntry, source: str) -> None:
-    try:
-        entry.byte_tokenizer = tokenizer_from_dict(entry.tokenizer or {})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
-    assert isinstance(entry.spec, TextSpec)
-    vocab = entry.spec.vocab_size
-    if vocab != entry.byte_tokenizer.vocab_size:
-        raise ValueError(f"{source}: config vocab_size {vocab} differs from the tokenizer's "
-                         f"{entry.byte_tokenizer.vocab_size}")
-
-
-_VALIDATE = {architectures.VISION: _validate_vision, architectures.TEXT: _validate_text}
-
-
-Loaded = dict[str, dict[int, ModelEntry]]  # name -> version -> entry
-Failed = dict[str, dict[int, str]]  # name -> version -> why it is not served
 
 
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:

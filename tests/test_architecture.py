@@ -255,3 +255,31 @@ def test_the_shipped_demo_files_predate_the_spec_and_serve_through_the_compatibi
     past = {i.name: [d.dim_value or None for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
     assert len([n for n in past if n.startswith(contract.PAST_PREFIX)]) == 2 * text.layers
     assert past[contract.past_names(1)[0][0]][1:4:2] == [text.kv_heads[0], text.head_size]
+
+
+# ---- the task table: one row per task, each layer's part found from it -------------------------------------------
+
+
+def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
+    from export.tasks import EXPORT_TASKS, ExportTask
+    from models import tasks
+    from service.entry import ServedTask
+    from service.tasks import SERVED, served
+
+    assert {registry.task_of(a) for a in registry.names()} <= set(tasks.TASKS) == set(EXPORT_TASKS) == set(SERVED)
+    for task, row in tasks.TASKS.items():
+        assert row.task == task and isinstance(row.part("export"), ExportTask) and row.part("export") is \
+            EXPORT_TASKS[task]
+        part = row.part("serve")
+        assert isinstance(part, ServedTask) and part is served(task) and part.info is row
+        assert part.name == row.name and part.endpoints == row.endpoints and part.metadata == row.metadata
+    assert tasks.get("text").name == "text-generation" and tasks.get("vision").spec is spec.VisionSpec
+    with pytest.raises(KeyError, match="known: vision, text"):
+        tasks.get("audio")  # type: ignore[arg-type]
+
+
+def test_the_backends_import_nothing_of_the_service_above_them() -> None:
+    bad = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("service.backends")
+           for imported in _imports(path)
+           if imported.startswith("service.") and not imported.startswith("service.backends")]
+    assert not bad
