@@ -189,7 +189,7 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         "torch_threads": torch.get_num_threads(),
     }
     with phases.phase("check graph"):
-        report["graph"] = check_graph(out, ckpt.arch)
+        report["graph"] = check_graph(out, task.graph_problems)
     if options.validate:
         start = time.perf_counter()
         tolerance = TOLERANCES[precision]

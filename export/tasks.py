@@ -14,7 +14,14 @@ from torch import nn
 from export.onnx_export import export_text, export_vision
 from export.progress import Phases
 from export.samples import default_samples
-from export.validate import Tolerance, validate_text, validate_vision
+from export.validate import (
+    GraphProblems,
+    Tolerance,
+    text_graph_problems,
+    validate_text,
+    validate_vision,
+    vision_graph_problems,
+)
 from models import registry
 from models.checkpoint import Checkpoint
 from models.registry import TextModel
@@ -47,12 +54,15 @@ class ExportTask:
     agreement_key: str  # the validation report's top-1 agreement field
     shapes: Callable[[dict[str, Any]], str]  # the summary's description of the validated input shapes
     greedy_checked: bool  # whether validation compares greedy generations
+    graph_problems: GraphProblems  # the graph's names and dynamic axes against the task's contract
 
 
 VISION_EXPORT = ExportTask(export_vision, _validate_vision, "top1_agreement",
-                           lambda v: f"batch sizes {v['batch_sizes']}", greedy_checked=False)
+                           lambda v: f"batch sizes {v['batch_sizes']}", greedy_checked=False,
+                           graph_problems=vision_graph_problems)
 TEXT_EXPORT = ExportTask(export_text, _validate_text, "next_token_agreement",
-                         lambda v: f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8", greedy_checked=True)
+                         lambda v: f"batch 1-8, past 0-{v['past_lengths'][1]}, new tokens 1-8", greedy_checked=True,
+                         graph_problems=text_graph_problems)
 # the export side of models.tasks' rows (each row names its entry here)
 EXPORT_TASKS: dict[Task, ExportTask] = {task: info.part("export") for task, info in TASKS.items()}
 

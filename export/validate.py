@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from models.spec import TextSpec, VisionSpec
 from plugins.onnx_reweighting import attribute_problems
 
 LOGITS_ATOL = 1e-4
+# a graph's (inputs, outputs) name -> dims -> what differs from its task's contract
+GraphProblems = Callable[[dict[str, list], dict[str, list]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,15 @@ FUSED_CHECK_FEEDS = 4
 FUSED_CHECK_TEXT_FEEDS = 8
 
 
-def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
-    """Full checker, names and the dynamic axes as specified."""
+def check_graph(path: Path, problems: GraphProblems | None = None) -> dict[str, Any]:
+    """Full checker, names and the dynamic axes as specified (`problems`: the task's, its ExportTask's
+    `graph_problems`; None: the vision task's)."""
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain == contract.ONNX_DOMAIN]
-    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs) + attribute_problems(model)
+    found = (problems or vision_graph_problems)(inputs, outputs) + attribute_problems(model)
     return {
         "checker": "passed (full_check)",
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -71,11 +75,11 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
         "multimax_nodes": len(nodes),
         "custom_nodes": sorted(set(nodes)),
         "functions": [f"{f.domain}::{f.name}" for f in model.functions],
-        "problems": problems,
+        "problems": found,
     }
 
 
-def _vision_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
+def vision_graph_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
     problems = []
     if list(inputs) != [VISION_INPUT] or inputs[VISION_INPUT][0] != contract.BATCH:
         problems.append(f"inputs {inputs}: expected {VISION_INPUT} with a leading '{contract.BATCH}' axis")
@@ -84,7 +88,7 @@ def _vision_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[
     return problems
 
 
-def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
+def text_graph_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
     n_layer = sum(name.endswith(".key") for name in inputs)
     want_in, want_out = text_io_names(n_layer)
     problems = []
@@ -98,9 +102,6 @@ def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[st
         if not isinstance(dim, str):
             problems.append(f"{name}: axis fixed at {dim}, expected a named dynamic axis")
     return problems
-
-
-_GRAPH_PROBLEMS = {registry.VISION: _vision_problems, registry.TEXT: _text_problems}
 
 
 def _stats(diffs: list[np.ndarray], rels: list[np.ndarray]) -> dict[str, float]:

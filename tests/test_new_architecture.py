@@ -158,3 +158,20 @@ def test_a_new_architecture_exports_validates_and_serves(tiny_arch: registry.Arc
         # the context comes from the spec: a prompt past it is refused as the protocol says, not a 500
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 60, "max_tokens": 2})
         assert r.status_code == 400, r.text
+
+
+def test_a_file_with_the_spec_key_serves_where_its_architecture_is_not_registered(
+        tiny_arch: registry.Architecture, tmp_path: Path) -> None:
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    _checkpoint(tiny_arch, tmp_path / "tiny.pt")
+    export_checkpoint(tmp_path / "tiny.pt", ExportOptions(output=models_dir / "tiny.onnx", validate=False,
+                                                          progress=False))
+    registry.unregister(ARCH)  # another process: the server knows nothing of this architecture
+    assert ARCH not in registry.names()
+    with TestClient(create_app(Settings(model_dir=models_dir, warmup_calls=0))) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1 and r.json()["model"] == "tiny"
+        meta = client.get("/v2/models/tiny").json()
+        assert meta["outputs"][0]["shape"] == [-1, -1, 259]
