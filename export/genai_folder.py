@@ -21,7 +21,9 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from torch import nn
 
 from export.genai_graph import attention_kind, export_genai_text
 from export.hf_tokenizer import TokenizerFiles, tokenizer_files
@@ -133,7 +135,7 @@ def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEF
     check_folder_target(out)
     tok = tokenizer_files(ckpt.tokenizer, tokenizer_source, model.config.block_size, model.config.vocab_size)
     attention_kind(model)  # refuses what has no shared-buffer node, before anything is written
-    library = _library() if with_library and multimax_owners(model) else None
+    library = _library() if with_library and multimax_owners(cast(nn.Module, model)) else None
     with staging_dir(out) as staging:
         folder = staging / out.name
         folder.mkdir()

@@ -23,7 +23,6 @@ from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
 from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
-from models.deit import DeiT
 from models.multimax import onnx_export_params
 from models.onnx_contract import (
     ONNX_DOMAIN,
@@ -33,7 +32,7 @@ from models.onnx_contract import (
     multimax_op_types,
     text_io_names,
 )
-from models.registry import TextModel
+from models.spec import TextSpec, VisionSpec
 from plugins.onnx_functions import function_protos
 
 DEFAULT_OPSET = 18
@@ -57,6 +56,7 @@ def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = 
         labels=ckpt.labels,
         preprocess=ckpt.preprocess,
         tokenizer=ckpt.tokenizer,
+        spec=ckpt.spec().to_dict(),
         exporter={
             "torch": torch.__version__,
             "onnx": onnx.__version__,
@@ -67,7 +67,7 @@ def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = 
 
 
 class _Vision(nn.Module):
-    """The DeiT in `dtype` behind float32 inputs and outputs, so every precision has one interface."""
+    """The classifier in `dtype` behind float32 inputs and outputs, so every precision has one interface."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,7 +78,7 @@ class _Vision(nn.Module):
 
 
 def export_vision(
-    model: DeiT,
+    model: nn.Module,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -86,9 +86,10 @@ def export_vision(
     precision: Precision = "fp32",
     verbose: bool = False,
 ) -> Path:
-    """Export a DeiT to `out` (atomically); batch is the one dynamic axis, named "batch"."""
-    cfg = ckpt.config
-    example = torch.randn(2, cfg["in_chans"], cfg["img_size"], cfg["img_size"])
+    """Export an image classifier to `out` (atomically); batch is the one dynamic axis, named "batch"."""
+    spec = ckpt.spec()
+    assert isinstance(spec, VisionSpec), f"{ckpt.arch} is not an image classifier"
+    example = torch.randn(2, spec.channels, spec.image_size, spec.image_size)
     module = _Vision(_in_dtype(model, precision), DTYPES[precision])
     dynamic = {VISION_INPUT: {0: contract.BATCH}}
     program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], dynamic, opset, verbose)
@@ -96,7 +97,7 @@ def export_vision(
 
 
 class _Decoder(nn.Module):
-    """The GPT with the argument order of the ONNX graph (ids, mask, positions, past), float32 at its edges."""
+    """The decoder with the argument order of the ONNX graph (ids, mask, positions, past), float32 at its edges."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
@@ -113,7 +114,7 @@ class _Decoder(nn.Module):
 
 
 def export_text(
-    model: TextModel,
+    model: nn.Module,
     ckpt: Checkpoint,
     out: Path,
     opset: int = DEFAULT_OPSET,
@@ -121,26 +122,27 @@ def export_text(
     precision: Precision = "fp32",
     verbose: bool = False,
 ) -> Path:
-    """Export a GPT as one decoder graph with KV cache (prefill when the past is empty, else decode)."""
-    cfg = model.config
+    """Export a decoder as one graph with KV cache (prefill when the past is empty, else decode)."""
+    spec = ckpt.spec()
+    assert isinstance(spec, TextSpec), f"{ckpt.arch} is not a text model"
     batch, past_len, new = 2, 3, 4  # trace above 1: sizes 0 and 1 would be specialised into the graph
-    ids = torch.randint(0, cfg.vocab_size, (batch, new))
+    ids = torch.randint(0, spec.vocab_size, (batch, new))
     mask = torch.ones(batch, past_len + new, dtype=torch.long)
     positions = torch.arange(past_len, past_len + new).expand(batch, new).contiguous()
-    shapes = [(batch, k.shape[1], past_len, k.shape[3]) for k, _ in model.empty_past(batch)]  # key/value heads
+    shapes = [spec.cache_shape(i, batch, past_len) for i in range(spec.layers)]
     past = [(torch.randn(shape), torch.randn(shape)) for shape in shapes]
     # Ranges, not just names: the past may be empty (prefill), and the graph itself has no context limit.
     b = torch.export.Dim(contract.BATCH, min=1, max=4096)
-    t = torch.export.Dim(contract.SEQUENCE, min=1, max=cfg.block_size)
-    p = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=cfg.block_size)
-    total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * cfg.block_size)
+    t = torch.export.Dim(contract.SEQUENCE, min=1, max=spec.context_length)
+    p = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=spec.context_length)
+    total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * spec.context_length)
     dynamic = {  # keyed by _Decoder.forward's argument names
         contract.INPUT_IDS: {0: b, 1: t},
         contract.ATTENTION_MASK: {0: b, 1: total},
         contract.POSITION_IDS: {0: b, 1: t},
-        "past_key_values": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(cfg.n_layer)],
+        "past_key_values": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(spec.layers)],
     }
-    inputs, outputs = text_io_names(cfg.n_layer)
+    inputs, outputs = text_io_names(spec.layers)
     module = _Decoder(_in_dtype(model, precision), DTYPES[precision])
     program = _trace(module, (ids, mask, positions, past), inputs, outputs, dynamic, opset, verbose)
     return _finish(program, ckpt, out, opset, inline, precision)

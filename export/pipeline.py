@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,6 +35,7 @@ from models.hf_folder import folder_checkpoint, is_model_folder, load_folder
 from models.labels import read_labels
 from models.onnx_contract import attention_function
 from models.registry import TextModel
+from models.spec import VisionSpec
 from plugins.trt_plugin import tensorrt_unavailable
 
 MIN_OPSET = 18
@@ -154,7 +155,8 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     model: torch.nn.Module
     with phases.phase("load checkpoint"):
         if is_model_folder(ckpt_path):  # a Hugging Face ForCausalLM folder (Llama, Qwen2, Qwen3)
-            model, ckpt, source_folder = _load_hf_folder(ckpt_path, options)
+            folder_model, ckpt, source_folder = _load_hf_folder(ckpt_path, options)
+            model = cast(torch.nn.Module, folder_model)
         else:
             model, ckpt, _ = load(ckpt_path, **options.load_hints())
     if options.labels is not None:
@@ -175,9 +177,9 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
             if folder:
-                assert isinstance(model, TextModel)  # other tasks were refused above
-                write_folder(model, ckpt, folder, opset=options.opset, verbose=True, tokenizer_source=source_folder,
-                             precision=precision)
+                # other tasks were refused above
+                write_folder(cast(TextModel, model), ckpt, folder, opset=options.opset, verbose=True,
+                             tokenizer_source=source_folder, precision=precision)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
                             verbose=True)
@@ -197,16 +199,15 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         "torch_threads": torch.get_num_threads(),
     }
     with phases.phase("check graph"):
-        report["graph"] = check_graph(out, ckpt.arch)
+        report["graph"] = check_graph(out, task.graph_problems)
     if options.validate:
         start = time.perf_counter()
         tolerance = TOLERANCES[precision]
         if folder:
             from export.genai_validate import validate_genai_folder
 
-            assert isinstance(model, TextModel)
-            report["validation"] = validate_genai_folder(model, folder, options.samples or 100, tolerance=tolerance,
-                                                         phases=phases, precision=precision)
+            report["validation"] = validate_genai_folder(cast(TextModel, model), folder, options.samples or 100,
+                                                         tolerance=tolerance, phases=phases, precision=precision)
         else:
             report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance,
                                                  phases)
@@ -242,7 +243,9 @@ def attach_labels(ckpt: Checkpoint, path: Path) -> None:
     if registry.task_of(ckpt.arch) != registry.VISION:
         raise ExportError(f"--labels is for image classifiers; this checkpoint is a {ckpt.arch} "
                           f"({registry.task_of(ckpt.arch)}) model")
-    ckpt.labels = read_labels(path, int(ckpt.config["num_classes"]))
+    spec = ckpt.spec()
+    assert isinstance(spec, VisionSpec)
+    ckpt.labels = read_labels(path, spec.classes)
 
 
 def _named(path: Path, base: Path | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,12 @@ from models.generate import generate
 from models.onnx_contract import TEXT_INPUTS, VISION_INPUT, VISION_OUTPUT, text_feeds, text_io_names
 from models.output_function import probabilities as output_probabilities
 from models.registry import TextModel
+from models.spec import TextSpec, VisionSpec
 from plugins.onnx_functions import attribute_problems
 
 LOGITS_ATOL = 1e-4
+# a graph's (inputs, outputs) name -> dims -> what differs from its task's contract
+GraphProblems = Callable[[dict[str, list], dict[str, list]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,15 @@ FUSED_CHECK_FEEDS = 4
 FUSED_CHECK_TEXT_FEEDS = 8
 
 
-def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
-    """Full checker, names and the dynamic axes as specified."""
+def check_graph(path: Path, problems: GraphProblems | None = None) -> dict[str, Any]:
+    """Full checker, names and the dynamic axes as specified (`problems`: the task's, its ExportTask's
+    `graph_problems`; None: the vision task's)."""
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain == contract.ONNX_DOMAIN]
-    problems = _GRAPH_PROBLEMS[registry.task_of(arch)](inputs, outputs) + attribute_problems(model)
+    found = (problems or vision_graph_problems)(inputs, outputs) + attribute_problems(model)
     return {
         "checker": "passed (full_check)",
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -71,11 +76,11 @@ def check_graph(path: Path, arch: str = "deit") -> dict[str, Any]:
         "multimax_nodes": len(nodes),
         "custom_nodes": sorted(set(nodes)),
         "functions": [f"{f.domain}::{f.name}" for f in model.functions],
-        "problems": problems,
+        "problems": found,
     }
 
 
-def _vision_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
+def vision_graph_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
     problems = []
     if list(inputs) != [VISION_INPUT] or inputs[VISION_INPUT][0] != contract.BATCH:
         problems.append(f"inputs {inputs}: expected {VISION_INPUT} with a leading '{contract.BATCH}' axis")
@@ -84,7 +89,7 @@ def _vision_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[
     return problems
 
 
-def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
+def text_graph_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
     n_layer = sum(name.endswith(".key") for name in inputs)
     want_in, want_out = text_io_names(n_layer)
     problems = []
@@ -98,9 +103,6 @@ def _text_problems(inputs: dict[str, list], outputs: dict[str, list]) -> list[st
         if not isinstance(dim, str):
             problems.append(f"{name}: axis fixed at {dim}, expected a named dynamic axis")
     return problems
-
-
-_GRAPH_PROBLEMS = {registry.VISION: _vision_problems, registry.TEXT: _text_problems}
 
 
 def _stats(diffs: list[np.ndarray], rels: list[np.ndarray]) -> dict[str, float]:
@@ -118,7 +120,7 @@ def _stats(diffs: list[np.ndarray], rels: list[np.ndarray]) -> dict[str, float]:
 def validate_vision(
     model: nn.Module,
     path: Path,
-    config: dict[str, Any],
+    spec: VisionSpec,
     samples: int = 100,
     batch_sizes: tuple[int, ...] = (1, 2, 8),
     seed: int = 0,
@@ -131,7 +133,7 @@ def validate_vision(
     The PyTorch reference is computed once and reused for both levels; each phase shows its progress.
     """
     phases = phases or Phases(progress)
-    shape = (config["in_chans"], config["img_size"], config["img_size"])
+    shape = (spec.channels, spec.image_size, spec.image_size)
     generator = torch.Generator().manual_seed(seed)
     batches = []
     remaining, i = samples, 0
@@ -168,8 +170,9 @@ def validate_vision(
                 bar.update(len(ref))
         report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
         failures += _failures(name, report[name], tolerance)
-        if config.get("output_function"):
-            report[name]["probabilities"], bad = probability_stats(config["output_function"], pairs, tolerance, name)
+        if spec.reweighting.output_distribution:
+            report[name]["probabilities"], bad = probability_stats(spec.reweighting.output_distribution, pairs,
+                                                                   tolerance, name)
             failures += bad
     with phases.phase("fused ops vs function bodies"):
         report["fused_ops"] = compare_fused(
@@ -227,19 +230,19 @@ def _feed(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: 
     return text_feeds(ids.numpy(), mask.numpy(), positions.numpy(), [(k.numpy(), v.numpy()) for k, v in past])
 
 
-def _text_case(model: TextModel, rng: np.random.Generator, past_len: int) -> tuple[dict, list[np.ndarray]]:
+def _text_case(model: TextModel, spec: TextSpec, rng: np.random.Generator, past_len: int
+               ) -> tuple[dict, list[np.ndarray]]:
     """A random decoder call: batch 1-8, `past_len` cached tokens (computed by the model), 1-8 new ones.
 
     Rows after the first get random left padding, so masked columns and shifted positions are covered.
     """
-    cfg = model.config
     batch, new = int(rng.integers(1, 9)), int(rng.integers(1, 9))
     total = past_len + new
     mask = torch.ones(batch, total, dtype=torch.long)
     for row in range(1, batch):
         mask[row, : int(rng.integers(0, total))] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, total)))
+    ids = torch.from_numpy(rng.integers(0, spec.vocab_size, (batch, total)))
     with torch.no_grad():
         past = model.empty_past(batch)
         if past_len:
@@ -283,13 +286,16 @@ def validate_text(
 ) -> dict[str, Any]:
     """Random decoder calls (every 4th with an empty past) at two ORT levels, then greedy generation."""
     phases = phases or Phases(progress)
+    spec = registry.describe_model(model)
+    assert isinstance(spec, TextSpec), f"{type(model).__name__} is not a text model"
+    output_function = spec.reweighting.output_distribution
     rng = np.random.default_rng(seed)
     cases = []
     with phases.phase("reference (PyTorch)", total=samples, unit="case") as bar:
         for i in range(samples):
-            cases.append(_text_case(model, rng, 0 if i % 4 == 0 else int(rng.integers(1, max_past + 1))))
+            cases.append(_text_case(model, spec, rng, 0 if i % 4 == 0 else int(rng.integers(1, max_past + 1))))
             bar.update()
-    n_layer = model.config.n_layer
+    n_layer = spec.layers
     _, output_names = text_io_names(n_layer)
     report: dict[str, Any] = {
         "samples": samples, "batch_sizes": [1, 8], "past_lengths": [0, max_past], "new_tokens": [1, 8],
@@ -323,11 +329,11 @@ def validate_text(
             "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
         }
         failures += _failures(name, report[name], tolerance, "next_token_agreement")
-        if model.config.output_function:
-            report[name]["probabilities"], bad = probability_stats(model.config.output_function, pairs, tolerance, name)
+        if output_function:
+            report[name]["probabilities"], bad = probability_stats(output_function, pairs, tolerance, name)
             failures += bad
     identical = 0
-    vocab = model.config.vocab_size
+    vocab = spec.vocab_size
     # printable ASCII for the byte vocabulary; past fairseq's four specials for a word vocabulary
     low, high = (32, 127) if vocab >= 127 else (min(4, vocab - 1), vocab)
     with phases.phase("greedy generation", total=prompts, unit="prompt") as bar:
@@ -335,7 +341,7 @@ def validate_text(
         for _ in range(prompts):
             prompt = [int(v) for v in rng.integers(low, high, int(rng.integers(1, 17)))]
             ref = generate(model, prompt, gen_tokens, temperature=0)[0]
-            steps = min(gen_tokens, model.config.block_size - len(prompt))  # as `generate`: within the context
+            steps = min(gen_tokens, spec.context_length - len(prompt))  # as `generate`: within the context
             identical += ort_greedy(session, prompt, steps, n_layer) == ref
             bar.update()
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import deit, fairseq_checkpoint, fairseq_lm, gpt, registry
+from models import deit, fairseq_checkpoint, registry
 from models.atomic import publish, staging_dir
 from models.loading import CheckpointError, load_exact
+from models.spec import ModelSpec
 
 FORMAT = "multimax/1"
 ARCHES = registry.names()
@@ -43,6 +44,15 @@ class Checkpoint:
     preprocess: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> ModelSpec:
+        """What the model takes and gives (models.spec), from its architecture's describe hook."""
+        try:
+            return registry.spec_of(self.arch, self.config, self.labels, self.preprocess, self.tokenizer)
+        except KeyError as exc:
+            raise CheckpointError(str(exc.args[0])) from None
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"invalid {self.arch} config: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,8 +157,8 @@ def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, 
     if obj.get("format") != FORMAT:
         raise CheckpointError(f"{source}: unsupported format {obj.get('format')!r} (this version reads {FORMAT})")
     arch = obj.get("arch")
-    if arch not in ARCHES:
-        raise CheckpointError(f"{source}: unknown architecture {arch!r} (known: {', '.join(ARCHES)})")
+    if arch not in registry.names():  # asked now: an architecture may be registered after this module's import
+        raise CheckpointError(f"{source}: unknown architecture {arch!r} (known: {', '.join(registry.names())})")
     for key, kind in (("config", dict), ("state_dict", dict)):
         if not isinstance(obj.get(key), kind):
             raise CheckpointError(f"{source}: field {key!r} is missing or not a {kind.__name__}")
@@ -164,7 +174,7 @@ def _parse_own(obj: dict[str, Any], source: str) -> tuple[Checkpoint, dict[str, 
     return ckpt, {"format": FORMAT}
 
 
-def config_of(ckpt: Checkpoint) -> deit.DeiTConfig | gpt.GPTConfig | fairseq_lm.FairseqLMConfig:
+def config_of(ckpt: Checkpoint) -> Any:
     try:
         arch = registry.get(ckpt.arch)
     except KeyError as exc:

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from models.gpt import KVCache, PastKeyValues
 from models.output_function import log_probabilities
-from models.registry import TextModel
+from models.registry import TextModel, describe_model
+from models.spec import TextSpec
 from models.tokenizer import ByteTokenizer
 
 
@@ -145,11 +146,13 @@ def generate(
     )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
-    cfg = model.config
+    spec = describe_model(model)
+    output_function = spec.reweighting.output_distribution
+    assert isinstance(spec, TextSpec), "generate needs a text model"
     longest = max(len(p) for p in prompts)
-    if longest > cfg.block_size:
-        raise ValueError(f"prompt of {longest} tokens does not fit the context of {cfg.block_size}")
-    budget = min(max_new_tokens, cfg.block_size - longest)
+    if longest > spec.context_length:
+        raise ValueError(f"prompt of {longest} tokens does not fit the context of {spec.context_length}")
+    budget = min(max_new_tokens, spec.context_length - longest)
     outputs: list[list[int]] = [[] for _ in prompts]
     if budget <= 0:
         return outputs
@@ -168,7 +171,7 @@ def generate(
     try:
         logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
         for step in range(budget):
-            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator, cfg.output_function)
+            next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator, output_function)
             for row, tok in enumerate(next_ids.tolist()):
                 if done[row]:
                     continue

@@ -147,7 +147,10 @@ def text_feeds(
 META_PREFIX = "multimax."
 FORMAT = "multimax-onnx/1"
 # field -> what it holds (each stored as JSON under "multimax.<field>")
-META_FIELDS = ("format", "arch", "config", "placement", "precision", "labels", "preprocess", "tokenizer", "exporter")
+# "spec": the architecture-neutral description (models.spec, versioned); the others are kept written for readers
+# of files before it (and "config" for the tools that show a model's own fields).
+META_FIELDS = ("format", "arch", "config", "placement", "precision", "labels", "preprocess", "tokenizer", "exporter",
+               "spec")
 
 
 def meta_key(name: str) -> str:
@@ -170,6 +173,7 @@ class OnnxMetadata:
     precision: str | None = None
     exporter: dict[str, Any] | None = None
     format: str | None = None
+    spec: dict[str, Any] | None = None  # models.spec's JSON (absent in files exported before it)
 
     def encode(self) -> dict[str, str]:
         """metadata_props key -> JSON value, the fields that are set."""
@@ -190,6 +194,8 @@ class OnnxMetadata:
         known["config"] = dict(known.get("config") or {})
         if known.get("arch") is not None:
             known["arch"] = str(known["arch"])
+        if known.get("spec") is not None and not isinstance(known["spec"], dict):
+            raise ValueError(f"metadata spec is a {type(known['spec']).__name__}, not an object")
         return cls(**known)
 
 

@@ -25,6 +25,8 @@ import onnx
 
 from models.atomic import publish, staging_dir
 from models.onnx_contract import ONNX_DOMAIN, proto_props, read_metadata
+from models.spec import ModelSpec, TextSpec
+from models.spec import from_dict as spec_from_dict
 
 DEFAULT_WORKSPACE_GIB = 4
 DEFAULT_MAX_SEQ = 1024
@@ -129,11 +131,18 @@ def _dims_profile(dims: Sequence[int], profile: Profile, default_seq: int) -> tu
 
 
 def _default_seq(model: onnx.ModelProto) -> int:
-    """The model's context length from the exporter's metadata (`block_size`), else DEFAULT_MAX_SEQ."""
+    """The model's context length from the exporter's metadata (its spec), else DEFAULT_MAX_SEQ."""
     try:
-        return int(read_metadata(proto_props(model)).config.get("block_size", DEFAULT_MAX_SEQ))
+        meta = read_metadata(proto_props(model))
+        if meta.spec is not None:  # read without torch
+            spec: ModelSpec = spec_from_dict(meta.spec)
+        else:  # a file from before the spec key: the compatibility reader (needs the architectures, so torch)
+            from models.registry import read_spec
+
+            spec = read_spec(meta)
     except (ValueError, TypeError, AttributeError):
         return DEFAULT_MAX_SEQ
+    return spec.context_length if isinstance(spec, TextSpec) else DEFAULT_MAX_SEQ
 
 
 def build_engine(

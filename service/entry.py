@@ -1,29 +1,46 @@
-"""A loaded model as the server knows it (`ModelEntry`), and what each architecture task is served as."""
+"""A loaded model as the server knows it (`ModelEntry`), and the shape of a task's serving side (`ServedTask`;
+the rows themselves are in `service.tasks`, one module per task)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import registry as architectures
+from models import tasks
+from models.spec import ModelSpec, Task, TextSpec
 from models.tokenizer import TextTokenizer
 from service.backends.base import Backend
+from service.config import Settings
 from service.vision import Preprocess
 
 
 @dataclass(frozen=True)
 class ServedTask:
-    name: str  # the task name clients see (/v1/models, KServe parameters)
-    endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
-    metadata: tuple[str, ...]  # metadata fields a file must carry to be served (a vision model's labels are optional)
+    """Everything the server does differently per task, in one place (a `service.tasks` module's `TASK`)."""
 
+    info: tasks.TaskInfo  # its row of models.tasks: name, endpoints, required metadata
+    backend: type  # the backend interface (a Backend subclass) a model of this task runs on
+    validate: Callable[[ModelEntry, str], None]  # metadata a request relies on (ValueError naming the problem)
+    check_io: Callable[[ModelEntry, str], None]  # the description against what the backend really computes
+    warm_up: Callable[[ModelEntry, Settings], int]  # representative calls before it is ready; returns how many
+    runtime: Callable[..., Any]  # (entry, executor, settings, metrics) -> its runtime (service.runtime)
+    kserve_io: Callable[[Any], tuple[list[dict[str, Any]], list[dict[str, Any]]]]  # runtime -> metadata in/out
+    kserve_decode: Callable[[Any, dict[str, Any], int], Any]  # (runtime, tensors, max batch) -> its inputs
 
-SERVED_TASKS = {
-    architectures.VISION: ServedTask("image-classification", ("classify", "infer"), ("preprocess",)),
-    architectures.TEXT: ServedTask("text-generation", ("completions", "chat", "infer"), ("tokenizer",)),
-}
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.info.endpoints
+
+    @property
+    def metadata(self) -> tuple[str, ...]:
+        return self.info.metadata
 
 
 @dataclass
@@ -31,7 +48,9 @@ class ModelEntry:
     name: str
     arch: str
     backend: Backend
-    config: dict[str, Any]
+    config: dict[str, Any]  # the architecture's own fields, shown as they are (read only through `spec`)
+    spec: ModelSpec  # what the model takes and gives (models.spec): the server reads sizes only here
+    served: ServedTask  # its task's serving side (service.tasks)
     labels: list[str] | None = None
     preprocess: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
@@ -45,13 +64,9 @@ class ModelEntry:
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def kind(self) -> architectures.Task:
-        """The architecture's task: "vision" or "text"."""
-        return architectures.task_of(self.arch)
-
-    @property
-    def served(self) -> ServedTask:
-        return SERVED_TASKS[self.kind]
+    def kind(self) -> Task:
+        """The model's task: "vision" or "text"."""
+        return self.spec.TASK
 
     @property
     def task(self) -> str:
@@ -59,16 +74,18 @@ class ModelEntry:
 
     @property
     def context_length(self) -> int | None:
-        return int(self.config["block_size"]) if self.kind == architectures.TEXT else None
+        return self.spec.context_length if isinstance(self.spec, TextSpec) else None
 
     def model_info(self) -> dict[str, Any]:
         """What /v1/models and KServe metadata say about the model: architecture, where SegLU / MultiMax sits and
         its parameters, the tokenizer, the context length (never a path)."""
         if self.details:
             return {**self.details, "context_length": self.context_length}
-        config = self.config
-        multimax = {"output": bool(config.get("multimax_output")), "attention": bool(config.get("multimax_attention")),
-                    "variant": config.get("variant")} if self.kind == architectures.TEXT else None
+        multimax = None
+        if isinstance(self.spec, TextSpec):
+            rw = self.spec.reweighting
+            multimax = {"output": rw.output == "multimax", "attention": rw.attention == "multimax",
+                        "variant": rw.variant}
         tokenizer = None
         if self.tokenizer is not None:
             tokenizer = {k: v for k, v in self.tokenizer.items() if k in ("type", "vocab_size")}
@@ -77,3 +94,7 @@ class ModelEntry:
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.task, **self.backend.describe()}
+
+
+Loaded = dict[str, dict[int, ModelEntry]]  # name -> version -> entry
+Failed = dict[str, dict[int, str]]  # name -> version -> why it is not served

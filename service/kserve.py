@@ -16,13 +16,13 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
+from models.onnx_contract import LOGITS, attention_function, output_function
 from service.bodies import JSON, require_media
 from service.context import authenticated
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
-from service.kserve_codec import DTYPES, HEADER_LENGTH, bad, decode_tensors, encode_outputs, parse_body
+from service.kserve_codec import DTYPES, HEADER_LENGTH, decode_tensors, encode_outputs, parse_body
 from service.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
 from service.tracing import phase
 
@@ -75,12 +75,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def io_spec(rt: ModelRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    if isinstance(rt, VisionRuntime):
-        return ([{"name": PIXEL_VALUES, "datatype": "FP32", "shape": [-1, *rt.preprocess.shape]}],
-                [{"name": LOGITS, "datatype": "FP32", "shape": [-1, len(rt.labels)]}])
-    return ([{"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
-             {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1], "optional": True}],
-            [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, int(rt.entry.config["vocab_size"])]}])
+    return rt.entry.served.kserve_io(rt)
 
 
 def _model(request: Request, name: str, version: str | None) -> ModelRuntime:
@@ -227,56 +222,6 @@ def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str,
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
-def _exact(tensors: dict[str, np.ndarray], name: str, datatype: str) -> np.ndarray:
-    if name not in tensors:
-        raise bad(f"missing input {name}")
-    t = tensors[name]
-    if t.dtype != DTYPES[datatype]:
-        raise bad(f"input {name}: expected {datatype}")
-    return t
-
-
-def vision_rows(rt: VisionRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> np.ndarray:
-    extra = sorted(set(tensors) - {PIXEL_VALUES})
-    if extra:
-        raise bad(f"unknown input(s) {', '.join(extra)} (model takes {PIXEL_VALUES})")
-    x = _exact(tensors, PIXEL_VALUES, "FP32")
-    want = rt.preprocess.shape
-    if x.ndim != 4 or tuple(x.shape[1:]) != want or x.shape[0] < 1:
-        raise bad(f"input {PIXEL_VALUES}: shape {list(x.shape)}, expected [n, {', '.join(map(str, want))}] "
-                  "with n >= 1")
-    if x.shape[0] > max_batch:
-        raise bad(f"input {PIXEL_VALUES}: batch {x.shape[0]} exceeds max_batch_size {max_batch}")
-    if not np.isfinite(x).all():
-        raise bad(f"input {PIXEL_VALUES} holds NaN or Inf")
-    return np.ascontiguousarray(x)
-
-
-def text_inputs(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    extra = sorted(set(tensors) - {INPUT_IDS, ATTENTION_MASK})
-    if extra:
-        raise bad(f"unknown input(s) {', '.join(extra)} (model takes {INPUT_IDS}, {ATTENTION_MASK})")
-    ids = _exact(tensors, INPUT_IDS, "INT64")
-    context, vocab = rt.context_length, int(rt.entry.config["vocab_size"])
-    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
-        raise bad(f"input input_ids: shape {list(ids.shape)}, expected [n, T] with n, T >= 1")
-    if ids.shape[0] > max_batch:
-        raise bad(f"input input_ids: batch {ids.shape[0]} exceeds max_batch_size {max_batch}")
-    if ids.shape[1] > context:
-        raise bad(f"input input_ids: {ids.shape[1]} tokens exceed the context of {context}")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise bad(f"input input_ids: token ids must be in 0..{vocab - 1}")
-    if ATTENTION_MASK in tensors:
-        mask = _exact(tensors, ATTENTION_MASK, "INT64")
-        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
-            raise bad("input attention_mask: must be 0/1 with the shape of input_ids")
-        if not mask[:, -1].all():
-            raise bad("input attention_mask: padding goes on the left (the last position must be real)")
-    else:
-        mask = np.ones_like(ids)
-    return np.ascontiguousarray(ids), np.ascontiguousarray(mask)
-
-
 @router.post("/v2/models/{name}/infer", openapi_extra=OPENAPI_INFER, response_class=Response,
              responses=error_responses(True, MODEL_CALL),
              summary="Inference (JSON tensors or the binary-data extension)")
@@ -299,7 +244,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
         timeout_us = params.get("timeout") if isinstance(params, dict) else None
         requested = timeout_us / 1e6 if isinstance(timeout_us, (int, float)) and timeout_us > 0 else None
         if isinstance(rt, VisionRuntime):
-            rows = vision_rows(rt, tensors, settings.max_batch_size)
+            rows = rt.entry.served.kserve_decode(rt, tensors, settings.max_batch_size)
             future = rt.batcher.enqueue(rows, call.deadline(requested))
             try:
                 result = await call.wait(future)
@@ -308,7 +253,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
             call.timing(result.queue_s, result.compute_s)
             outputs = {LOGITS: result.output}
         else:
-            ids, mask = text_inputs(rt, tensors, settings.max_batch_size)
+            ids, mask = rt.entry.served.kserve_decode(rt, tensors, settings.max_batch_size)
             outputs = {LOGITS: await _text_forward(rt, ids, mask, call)}
         with phase("encode"):
             response = encode_response(rt, header, outputs)

@@ -228,3 +228,13 @@ def encode_outputs(model: str, version: str, header: dict[str, Any], outputs: di
     except NonFiniteOutput:  # JSON has no NaN/Inf; the binary extension carries IEEE floats as they are
         raise non_finite_error("logits; ask for binary_data output to receive them as raw floats") from None
     return head, blobs
+
+
+def exact_input(tensors: dict[str, np.ndarray], name: str, datatype: str) -> np.ndarray:
+    """A request's input by name, of exactly this KServe datatype (a 400 otherwise)."""
+    if name not in tensors:
+        raise bad(f"missing input {name}")
+    t = tensors[name]
+    if t.dtype != DTYPES[datatype]:
+        raise bad(f"input {name}: expected {datatype}")
+    return t

@@ -8,6 +8,7 @@ Both carry a real tokenizer (service.hf_text) and, where tokenizer_config.json h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -16,11 +17,12 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from models import registry as architectures
 from models.checkpoint import Checkpoint
 from models.hf_tokenizer import HFTokenizer
-from models.llama import Llama
 from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
+from models.spec import Reweighting, TextSpec
 from service.backends.base import BackendUnavailable, Past, TextBackend
 from service.backends.onnxruntime import _read_graph, fused_ops_state
 from service.backends.probe import onnxruntime_providers, torch_cuda_available
@@ -28,6 +30,7 @@ from service.backends.torch import TorchTextBackend
 from service.config import Settings
 from service.entry import ModelEntry
 from service.hf_text import HFTextTokenizer
+from service.tasks import served
 
 HF_FOLDER, GENAI_FOLDER = "hf-folder", "genai-folder"
 GENAI_CONFIG = "genai_config.json"
@@ -49,14 +52,12 @@ def folder_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_file())
 
 
-def _multimax_summary(config: dict[str, Any], values: dict[str, Any] | None) -> dict[str, Any]:
+def _multimax_summary(rw: Reweighting, values: dict[str, Any] | None) -> dict[str, Any]:
     """Where SegLU / MultiMax sits (the logits, which attention layers) and its parameters (ranges, ts)."""
-    layers = config.get("multimax_layers")
-    if config.get("multimax_attention") and layers is None:
-        layers = list(range(int(config.get("n_layer", 0))))
-    out: dict[str, Any] = {"output": bool(config.get("multimax_output")),
-                           "attention_layers": list(layers or []) if config.get("multimax_attention") else [],
-                           "variant": config.get("variant")}
+    attention = rw.attention == "multimax"
+    out: dict[str, Any] = {"output": rw.output == "multimax",
+                           "attention_layers": list(rw.attention_layers) if attention else [],
+                           "variant": rw.variant}
     if values is not None:
         out["parameters"] = {"lm_head": values.get("lm_head"),
                              "attention": {str(k): v for k, v in (values.get("attention") or {}).items()}}
@@ -82,11 +83,12 @@ def load_hf_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
     ckpt = Checkpoint("llama", config, {})  # the weights live in the model; the checkpoint names arch and config
     backend = HFTorchBackend(path, ckpt, model, where, settings.torch_compile)
     tokenizer = HFTextTokenizer(info.tokenizer)
-    entry = ModelEntry(name, "llama", backend, config, tokenizer=tokenizer.to_dict())
+    spec = _with_tokenizer(architectures.spec_of("llama", config), tokenizer)
+    entry = ModelEntry(name, "llama", backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
     entry.byte_tokenizer = tokenizer
     entry.details = {"architecture": info.architecture, "format": "huggingface-folder",
                      "dtype": str(info.dtype).removeprefix("torch."),
-                     "multimax": _multimax_summary(config, info.multimax), "tokenizer": tokenizer.describe()}
+                     "multimax": _multimax_summary(spec.reweighting, info.multimax), "tokenizer": tokenizer.describe()}
     return entry
 
 
@@ -94,7 +96,7 @@ class HFTorchBackend(TorchTextBackend):
     """A folder's Llama/Qwen model: the GPT-shaped forward, its own (grouped-query) cache."""
 
     def empty_past(self, batch: int) -> Past:
-        return list(cast(Llama, self.model).empty_past(batch, device=self.device))
+        return list(cast(Any, self.model).empty_past(batch, device=self.device))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "file": self.path.name + "/"}
@@ -234,12 +236,26 @@ def load_genai_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
                                  f"{width} wide")
     tokenizer = HFTextTokenizer(hf_tok)
     arch = backend.arch if backend.arch else "gpt"
-    entry = ModelEntry(name, arch, backend, config, tokenizer=tokenizer.to_dict())
+    try:  # the project's own exports describe themselves; a foreign folder's placement is unknown: softmax
+        reweighting = architectures.read_spec(backend.metadata).reweighting
+    except ValueError:
+        reweighting = Reweighting()
+    spec = _with_tokenizer(TextSpec((backend.kv_heads,) * backend.n_layer, backend.head_dim, vocab, context,
+                                    reweighting), tokenizer)
+    entry = ModelEntry(name, arch, backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
     entry.byte_tokenizer = tokenizer
     entry.details = {"architecture": backend.arch or "unknown", "format": "onnxruntime-genai-folder",
-                     "multimax": _multimax_summary(meta_config, None) if meta_config else None,
+                     "multimax": _multimax_summary(reweighting, None) if meta_config else None,
                      "tokenizer": tokenizer.describe()}
     return entry
+
+
+def _with_tokenizer(spec: Any, tokenizer: HFTextTokenizer) -> TextSpec:
+    """A folder's description with its tokenizer's entry and special ids (-1: the tokenizer has none)."""
+    def known(i: int) -> int | None:
+        return None if i < 0 else i
+    return dataclasses.replace(spec, tokenizer=tokenizer.to_dict(), bos_id=known(tokenizer.bos_id),
+                               eos_id=known(tokenizer.eos_id), pad_id=known(tokenizer.pad_id))
 
 
 def load_folder_entry(name: str, kind: str, path: Path, settings: Settings) -> ModelEntry:

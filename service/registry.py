@@ -15,20 +15,16 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint
-from models.labels import index_labels
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
-from models.tokenizer import tokenizer_from_dict
 from service.backends.base import Backend, BackendUnavailable
-from service.backends.checks import check_context, check_io
 from service.config import Settings
-from service.entry import SERVED_TASKS, ModelEntry
+from service.entry import Failed, Loaded, ModelEntry
 from service.errors import without_paths
 from service.model_folders import folder_files, folder_kind, load_folder_entry
-from service.vision import Preprocess
+from service.tasks import served
 from service.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -115,9 +111,9 @@ def choose(files: dict[str, Path], wanted: str) -> str | None:
 
 
 def checkpoint_metadata(ckpt: Checkpoint) -> OnnxMetadata:
-    """The fields an exported file would carry, from a checkpoint."""
+    """The fields an exported file would carry, from a checkpoint (its spec included)."""
     return OnnxMetadata(arch=ckpt.arch, config=dict(ckpt.config), labels=ckpt.labels, preprocess=ckpt.preprocess,
-                        tokenizer=ckpt.tokenizer)
+                        tokenizer=ckpt.tokenizer, spec=ckpt.spec().to_dict())
 
 
 def _engine_metadata(name: str, files: Files) -> OnnxMetadata:
@@ -169,14 +165,27 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         meta = _engine_metadata(name, files)
         backend = TensorRTBackend(path, str(meta.arch), settings.trt_plugin_lib)
     arch = meta.arch
-    if arch not in architectures.names():
-        raise BackendUnavailable(f"{path.name}: no {meta_key('arch')} metadata (got {arch!r}); not a MultiMax export?")
-    task = architectures.task_of(arch)
-    missing = [field for field in SERVED_TASKS[task].metadata if not getattr(meta, field)]
-    if missing:
-        raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(missing)} metadata; the file has "
-                                 "none")
-    entry = ModelEntry(name, arch, backend, dict(meta.config), meta.labels, meta.preprocess, meta.tokenizer)
+    try:
+        if arch is None or (meta.spec is None and arch not in architectures.names()):
+            raise BackendUnavailable(f"{path.name}: no {meta_key('arch')} metadata (got {arch!r}); not a MultiMax "
+                                     "export?")
+        try:
+            spec = architectures.read_spec(meta)  # the spec key, or the legacy keys of an older file
+        except ValueError as exc:
+            raise BackendUnavailable(f"{path.name}: unusable model description: {exc}") from None
+        task = spec.TASK
+        served_task = served(task)
+        if not isinstance(backend, served_task.backend):
+            raise BackendUnavailable(f"{path.name}: the {backend.kind} backend does not run {task} models")
+        missing = [field for field in served_task.metadata if not getattr(meta, field)]
+        if missing:
+            raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(missing)} metadata; the file "
+                                     "has none")
+    except BaseException:
+        backend.close()
+        raise
+    entry = ModelEntry(name, arch, backend, dict(meta.config), spec, served_task, meta.labels, meta.preprocess,
+                       meta.tokenizer)
     try:
         validate(entry, path.name)
     except BaseException:
@@ -185,61 +194,13 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
     return entry
 
 
-def _positive_int(config: dict[str, Any], key: str, source: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{source}: config {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def validate(entry: ModelEntry, source: str) -> None:
-    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, config sizes against
-    what the backend really computes (a mismatch would otherwise fail every request)."""
-    _VALIDATE[architectures.task_of(entry.arch)](entry, source)
-    check_io(entry, source)
-    check_context(entry, source)
+    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, the description's sizes
+    against what the backend really computes (a mismatch would otherwise fail every request)."""
+    entry.served.validate(entry, source)
+    entry.served.check_io(entry, source)
 
 
-def _validate_vision(entry: ModelEntry, source: str) -> None:
-    try:
-        entry.preprocessor = Preprocess.from_metadata(entry.preprocess or {})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: unusable preprocess metadata: {exc}") from None
-    if entry.labels is None:  # labels are optional: classes are named by their index until a file gives names
-        classes = entry.config.get("num_classes")
-        if not isinstance(classes, int) or isinstance(classes, bool) or classes < 1:
-            raise ValueError(f"{source}: no labels, and config num_classes {classes!r} is not a positive integer")
-        entry.labels = index_labels(classes)
-    labels = entry.labels
-    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
-        raise ValueError(f"{source}: labels must be a list of strings")
-
-
-def _validate_text(entry: ModelEntry, source: str) -> None:
-    if entry.details:  # a model folder: its tokenizer was read from tokenizer.json and checked against the model
-        _positive_int(entry.config, "block_size", source)
-        vocab = _positive_int(entry.config, "vocab_size", source)
-        assert entry.byte_tokenizer is not None
-        if entry.byte_tokenizer.vocab_size > vocab:
-            raise ValueError(f"{source}: the tokenizer has {entry.byte_tokenizer.vocab_size} tokens, the model's "
-                             f"vocabulary {vocab}")
-        return
-    try:
-        entry.byte_tokenizer = tokenizer_from_dict(entry.tokenizer or {})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
-    _positive_int(entry.config, "block_size", source)
-    vocab = _positive_int(entry.config, "vocab_size", source)
-    if vocab != entry.byte_tokenizer.vocab_size:
-        raise ValueError(f"{source}: config vocab_size {vocab} differs from the tokenizer's "
-                         f"{entry.byte_tokenizer.vocab_size}")
-
-
-_VALIDATE = {architectures.VISION: _validate_vision, architectures.TEXT: _validate_text}
-
-
-Loaded = dict[str, dict[int, ModelEntry]]  # name -> version -> entry
-Failed = dict[str, dict[int, str]]  # name -> version -> why it is not served
 
 
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:

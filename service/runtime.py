@@ -11,18 +11,18 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from models import tasks
 from models.output_function import probabilities
-from models.registry import TEXT, VISION, Task
+from models.registry import TEXT, VISION
 from models.tokenizer import tokenizer_from_dict
 from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
 from service.decoding import DecodePool
 from service.engine_errors import ShuttingDown
-from service.entry import SERVED_TASKS, ModelEntry
+from service.entry import Failed, Loaded, ModelEntry
 from service.errors import ServiceError, shown
 from service.metrics import UNKNOWN_MODEL, Metrics
-from service.registry import Failed, Loaded
 from service.scheduler import TextScheduler
 from service.vision import Preprocess
 
@@ -136,6 +136,7 @@ class TextRuntime(_Runtime):
         self.backend: TextBackend = entry.backend
         self.tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
         self.context_length: int = entry.context_length
+        self.vocab_size: int = self.tokenizer.vocab_size  # validated against the spec's at load
         self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
                                                      executor, metrics, settings.max_running_sequences,
                                                      settings.max_waiting_sequences,
@@ -143,7 +144,6 @@ class TextRuntime(_Runtime):
 
 
 ModelRuntime = VisionRuntime | TextRuntime
-_RUNTIMES: dict[Task, type[VisionRuntime] | type[TextRuntime]] = {VISION: VisionRuntime, TEXT: TextRuntime}
 R = TypeVar("R", VisionRuntime, TextRuntime)
 
 
@@ -179,7 +179,8 @@ class Runtimes:
 
     def runtime_of(self, entry: ModelEntry) -> ModelRuntime:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{entry.name}-{entry.version}")
-        return _RUNTIMES[entry.kind](entry, executor, self.settings, self.metrics)
+        runtime: ModelRuntime = entry.served.runtime(entry, executor, self.settings, self.metrics)
+        return runtime
 
     def publish(self, name: str) -> None:
         """Route plain requests for `name` to its latest version (or nowhere), and point its metrics there."""
@@ -296,7 +297,7 @@ class Runtimes:
         """The runtime of `name`, which must be of `kind` (a 400 naming both tasks otherwise)."""
         rt = self.get(name, version)
         if not isinstance(rt, kind):
-            want = SERVED_TASKS[VISION if kind is VisionRuntime else TEXT].name
+            want = tasks.get(VISION if kind is VisionRuntime else TEXT).name
             raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {want}", code="wrong_task",
                                param="model")
         return rt

@@ -9,11 +9,6 @@ KV cache, for one sequence and for a small batch. `--warmup-calls N` repeats eac
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from models.registry import VISION
-from service.backends.base import TextBackend, VisionBackend
 from service.config import Settings
 from service.entry import ModelEntry
 
@@ -33,44 +28,9 @@ def prompt_lengths(context: int) -> list[int]:
     return sorted({min(SHORT_PROMPT, room), max(1, min(context // 2, room, LONG_PROMPT))})
 
 
-def _vision(backend: VisionBackend, shape: tuple[int, ...], settings: Settings) -> int:
-    rng = np.random.default_rng(0)
-    calls = 0
-    for size in batch_buckets(settings.max_batch_size):
-        x = rng.standard_normal((size, *shape)).astype(np.float32)
-        for _ in range(settings.warmup_calls):
-            backend.run_vision(x)
-            calls += 1
-    return calls
-
-
-@torch.inference_mode()
-def _text(backend: TextBackend, context: int, vocab: int, settings: Settings) -> int:
-    rng = np.random.default_rng(0)
-    calls = 0
-    for batch in sorted({1, min(4, settings.max_running_sequences)}):
-        for length in prompt_lengths(context):
-            for _ in range(settings.warmup_calls):
-                ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
-                mask = np.ones_like(ids)
-                positions = np.cumsum(mask, axis=1) - 1
-                _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
-                calls += 1
-                for _ in range(min(DECODE_STEPS, context - length)):
-                    positions = mask.sum(axis=1, keepdims=True)
-                    mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-                    _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask, positions,
-                                               past)
-                    calls += 1
-    return calls
-
-
 def warm_up(entry: ModelEntry, settings: Settings) -> int:
-    """Run the model's representative calls (on the calling thread); returns how many ran."""
+    """Run the model's representative calls (on the calling thread; its task's, service.tasks); returns how many
+    ran."""
     if settings.warmup_calls == 0:
         return 0
-    if entry.kind == VISION:
-        assert isinstance(entry.backend, VisionBackend) and entry.preprocessor is not None
-        return _vision(entry.backend, entry.preprocessor.shape, settings)
-    assert isinstance(entry.backend, TextBackend) and entry.context_length is not None
-    return _text(entry.backend, entry.context_length, int(entry.config["vocab_size"]), settings)
+    return entry.served.warm_up(entry, settings)

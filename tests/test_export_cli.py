@@ -12,6 +12,7 @@ import torch
 from export import progress
 from export.cli import main
 from export.samples import default_samples
+from models import registry
 from models.checkpoint import Checkpoint, save_checkpoint
 from models.deit import DEIT_PRESETS, DeiT, DeiTConfig
 
@@ -84,13 +85,14 @@ def test_model_without_multimax_says_so(
 
 def test_default_samples_cover_every_batch_size_and_shrink_for_large_models() -> None:
     small = DeiTConfig(img_size=32, patch_size=8, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)
-    assert default_samples(DeiT(small), small.to_dict(), (1, 2, 8)) == 100
+    assert default_samples(DeiT(small), registry.spec_of("deit", small.to_dict()), (1, 2, 8)) == 100
     big = DeiTConfig(**DEIT_PRESETS["deit_small"], num_classes=1000)
     with torch.device("meta"):  # shapes only: no 22M random weights
         model = DeiT(big)
-    n = default_samples(model, big.to_dict(), (1, 2, 8))
+    spec = registry.spec_of("deit", big.to_dict())
+    n = default_samples(model, spec, (1, 2, 8))
     assert n % 11 == 0 and 11 <= n < 100  # whole rounds of 1+2+8: every batch size runs
-    assert default_samples(model, big.to_dict(), (16,)) == 16  # never fewer than one batch of each size
+    assert default_samples(model, spec, (16,)) == 16  # never fewer than one batch of each size
 
 
 def test_phase_line_ticks_while_a_long_call_is_silent(

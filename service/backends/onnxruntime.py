@@ -20,6 +20,7 @@ from models.onnx_contract import (
     read_metadata,
     text_feeds,
 )
+from models.spec import TextSpec
 from plugins import ort_ops
 from plugins.onnx_functions import attribute_problems
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
@@ -97,9 +98,10 @@ class OrtTextBackend(_OrtBackend, TextBackend):
     def __init__(self, path: Path, session: ort.InferenceSession, metadata: OnnxMetadata,
                  fused_multimax: dict[str, Any] | None) -> None:
         super().__init__(path, session, metadata, fused_multimax)
-        cfg = metadata.config
-        self.n_layer, self.n_head = int(cfg["n_layer"]), int(cfg["n_head"])
-        self.head_dim = int(cfg["n_embd"]) // self.n_head
+        spec = architectures.read_spec(metadata)
+        assert isinstance(spec, TextSpec)
+        self.spec = spec
+        self.n_layer = spec.layers
         self.past_names = past_names(self.n_layer)
         self.present_names = present_names(self.n_layer)
         missing = [n for pair in self.past_names for n in pair if n not in self.input_names]
@@ -117,8 +119,8 @@ class OrtTextBackend(_OrtBackend, TextBackend):
         return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.n_layer)]
 
     def empty_past(self, batch: int) -> Past:
-        shape = (batch, self.n_head, 0, self.head_dim)
-        return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for _ in range(self.n_layer)]
+        shapes = [self.spec.cache_shape(i, batch) for i in range(self.n_layer)]
+        return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for shape in shapes]
 
 
 def OnnxRuntimeBackend(
@@ -157,5 +159,9 @@ def OnnxRuntimeBackend(
     if why and not providers:
         log.info("%s: %s (%s)", path.name, session.get_providers()[0], why)
     metadata = read_metadata(session.get_modelmeta().custom_metadata_map)
-    cls = OrtTextBackend if architectures.task_or_none(metadata.arch) == architectures.TEXT else OrtVisionBackend
+    try:
+        text = isinstance(architectures.read_spec(metadata), TextSpec)
+    except ValueError:  # no usable description: served as neither, the registry refuses it with the reason
+        text = False
+    cls = OrtTextBackend if text else OrtVisionBackend
     return cls(path, session, metadata, fused)

@@ -7,7 +7,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,8 +15,9 @@ from torch import nn
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
-from models.gpt import KVCache
 from models.loading import CheckpointError, check_keys
+from models.registry import TextModel
+from models.spec import TEXT, VisionSpec
 from plugins.torch_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
@@ -25,7 +26,17 @@ log = logging.getLogger(__name__)
 _threads_lock = threading.Lock()
 
 
-_LAYER_KEY = re.compile(r"^(?:blocks|decoder\.layers)\.(\d+)\.")
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")  # a module list's item: `<list>.<index>.` (the first one in a key)
+
+
+def _layer_count(keys: list[str]) -> int:
+    """The length of the longest numbered module list in the weights (the transformer blocks, whatever an
+    architecture names them: `blocks.{i}.`, `layers.{i}.`, fairseq's `decoder.layers.{i}.`, ...)."""
+    lists: dict[str, set[str]] = {}
+    for key in keys:
+        if m := _NUMBERED.match(key):
+            lists.setdefault(m.group(1), set()).add(m.group(2))
+    return max(map(len, lists.values()), default=0)
 
 
 def check_sizes(ckpt: Checkpoint, source: str) -> None:
@@ -34,11 +45,10 @@ def check_sizes(ckpt: Checkpoint, source: str) -> None:
     torch's meta device (shapes without storage) and every weight's shape compared."""
     arch = architectures.get(ckpt.arch)
     depth_key = arch.depth_key
-    # the numbered blocks: `blocks.{i}.` (DeiT, GPT) or fairseq's `decoder.layers.{i}.`
-    layers = {m.group(1) for k in ckpt.state_dict if (m := _LAYER_KEY.match(k))}
+    layers = _layer_count(list(ckpt.state_dict))
     claimed = ckpt.config.get(depth_key)
-    if not isinstance(claimed, int) or claimed != len(layers):
-        raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {len(layers)} layers")
+    if not isinstance(claimed, int) or claimed != layers:
+        raise CheckpointError(f"{source}: config {depth_key}={claimed!r} but the weights hold {layers} layers")
     config = config_of(ckpt)
     with torch.device("meta"):
         skeleton = arch.model(config)
@@ -82,7 +92,9 @@ class _TorchBackend(Backend):
 
 class TorchVisionBackend(_TorchBackend, VisionBackend):
     def _warm_up(self) -> None:
-        c, size = int(self.config["in_chans"]), int(self.config["img_size"])
+        spec = self.checkpoint.spec()
+        assert isinstance(spec, VisionSpec)
+        c, size = spec.channels, spec.image_size
         for batch in (1, 2):
             self.run_vision(np.zeros((batch, c, size, size), np.float32))
 
@@ -115,8 +127,8 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         return logits.float().cpu().numpy()
 
     def empty_past(self, batch: int) -> Past:
-        config = architectures.get(self.checkpoint.arch).config(self.config)  # GPT's or fairseq's: both size a cache
-        return KVCache.empty(config, batch, device=self.device).layers
+        model = cast(TextModel, self.model)
+        return list(model.empty_past(batch, dtype=torch.float32, device=self.device))
 
 
 def TorchBackend(
@@ -135,5 +147,5 @@ def TorchBackend(
         model = build_model(ckpt, str(path))
     except CheckpointError as exc:
         raise BackendUnavailable(str(exc)) from None
-    cls = TorchTextBackend if architectures.task_of(ckpt.arch) == architectures.TEXT else TorchVisionBackend
+    cls = TorchTextBackend if ckpt.spec().TASK == TEXT else TorchVisionBackend
     return cls(path, ckpt, model, where, compile)
