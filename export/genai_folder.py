@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from export.genai_graph import attention_kind, export_genai_text
+from export.genai_graph import attention_kind, export_genai_text, text_spec
 from export.hf_tokenizer import TokenizerFiles, tokenizer_files
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.precision import Precision
@@ -63,7 +63,7 @@ def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> 
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
     if library:
         session["custom_ops_library"] = library
-    cfg, layers = model.config, model.attention_layers()  # vocab_size, block_size: every text config's
+    spec, layers = text_spec(model), model.attention_layers()
     first = layers[0]
     return {
         "model": {
@@ -71,8 +71,8 @@ def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> 
             "bos_token_id": tok.bos_id,
             "eos_token_id": tok.eos_ids[0] if len(tok.eos_ids) == 1 else tok.eos_ids,
             "pad_token_id": tok.pad_id,
-            "vocab_size": cfg.vocab_size,
-            "context_length": cfg.block_size,
+            "vocab_size": spec.vocab_size,
+            "context_length": spec.context_length,
             "decoder": {
                 "session_options": session,
                 "filename": MODEL_FILE,
@@ -99,7 +99,7 @@ def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> 
             "do_sample": False,  # greedy unless the caller asks
             "num_beams": 1,
             "num_return_sequences": 1,
-            "max_length": cfg.block_size,
+            "max_length": spec.context_length,
             "min_length": 0,
             "past_present_share_buffer": True,  # the graph writes new keys into the buffer in place
             "early_stopping": True,
@@ -108,7 +108,7 @@ def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> 
             "no_repeat_ngram_size": 0,
             "diversity_penalty": 0.0,
             "temperature": 1.0,
-            "top_k": cfg.vocab_size,  # no top-k filter when sampling, as models.generate by default
+            "top_k": spec.vocab_size,  # no top-k filter when sampling, as models.generate by default
             "top_p": 1.0,
         },
     }
@@ -133,7 +133,8 @@ def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEF
     `ckpt.tokenizer`). precision "int4": the fp32 graph with its weight MatMuls as MatMulNBits.
     """
     check_folder_target(out)
-    tok = tokenizer_files(ckpt.tokenizer, tokenizer_source, model.config.block_size, model.config.vocab_size)
+    spec = text_spec(model)
+    tok = tokenizer_files(ckpt.tokenizer, tokenizer_source, spec.context_length, spec.vocab_size)
     attention_kind(model)  # refuses what has no shared-buffer node, before anything is written
     library = _library() if with_library and multimax_owners(cast(nn.Module, model)) else None
     with staging_dir(out) as staging:

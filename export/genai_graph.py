@@ -34,7 +34,8 @@ from models.attention_hook import KV, AttentionLayer
 from models.checkpoint import Checkpoint
 from models.multimax import ExportAttrs
 from models.onnx_contract import plugin_attrs, text_io_names
-from models.registry import TextModel
+from models.registry import TextModel, describe_model
+from models.spec import TextSpec
 from plugins.onnx_attention import OP as ATTENTION_OP
 from plugins.onnx_attention import attention_function_proto
 
@@ -42,15 +43,22 @@ GQA = "com.microsoft::GroupQueryAttention"
 MULTIMAX_ATTENTION = f"{contract.ONNX_DOMAIN}::{ATTENTION_OP}"
 
 
+def text_spec(model: TextModel) -> TextSpec:
+    """The model's architecture-neutral description (models.spec): sizes are read there, never from its config."""
+    spec = describe_model(model)
+    assert isinstance(spec, TextSpec)
+    return spec
+
+
 def attention_kind(model: TextModel) -> str:
     """"softmax" or "multimax": the attentions this export has a shared-buffer node for (else ExportError)."""
-    cfg = model.config
-    if cfg.output_function:  # onnxruntime-genai samples from softmax(logits): another distribution would be lost
+    rw = text_spec(model).reweighting
+    if rw.output not in ("softmax", "multimax"):  # onnxruntime-genai samples from softmax(logits)
         raise ExportError(f"the onnxruntime-genai folder export serves softmax (or MultiMax) outputs, not "
-                          f"{cfg.output_function!r}; export it to a single .onnx file instead")
-    if cfg.attention_function:
+                          f"{rw.output!r}; export it to a single .onnx file instead")
+    if rw.attention not in ("softmax", "multimax"):
         raise ExportError(f"the onnxruntime-genai folder export supports softmax and MultiMax attention, not "
-                          f"{cfg.attention_function!r}; export it to a single .onnx file instead")
+                          f"{rw.attention!r}; export it to a single .onnx file instead")
     return "multimax" if any(a.multimax for a in model.attention_layers()) else "softmax"
 
 
@@ -117,21 +125,21 @@ def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int 
                       verbose: bool = False, precision: Precision = "fp32") -> Path:
     """Export the shared-buffer decoder graph to `out`, atomically, with every function body attached
     (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize)."""
-    cfg = model.config
+    spec = text_spec(model)
     model = model.eval()
     if DTYPES[precision] != torch.float32:
         model = copy.deepcopy(model).to(DTYPES[precision])
     layers = model.attention_layers()
     batch, past_len, new, buffer = 2, 3, 4, 9  # buffer > past + new: the shape a shared buffer has
-    ids = torch.randint(0, cfg.vocab_size, (batch, new))
+    ids = torch.randint(0, spec.vocab_size, (batch, new))
     mask = torch.ones(batch, past_len + new, dtype=torch.long)
     positions = torch.arange(past_len, past_len + new).expand(batch, new).contiguous()
     past = [tuple(torch.randn(batch, a.kv_heads, buffer, a.head_dim, dtype=cache_dtype(layers, precision))
                   for _ in range(2)) for a in layers]
     b = torch.export.Dim(contract.BATCH, min=1, max=4096)
-    t = torch.export.Dim(contract.SEQUENCE, min=1, max=cfg.block_size)
-    m = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=2 * cfg.block_size)
-    total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * cfg.block_size)
+    t = torch.export.Dim(contract.SEQUENCE, min=1, max=spec.context_length)
+    m = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=2 * spec.context_length)
+    total = torch.export.Dim(contract.TOTAL_SEQUENCE, min=1, max=2 * spec.context_length)
     dynamic = {
         contract.INPUT_IDS: {0: b, 1: t},
         contract.ATTENTION_MASK: {0: b, 1: total},

@@ -25,7 +25,7 @@ import torch
 
 from export.fused_check import compare_fused, cpu_session
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE
-from export.genai_graph import attention_kind, cache_dtype
+from export.genai_graph import attention_kind, cache_dtype, text_spec
 from export.precision import Precision
 from export.progress import Phases
 from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats, fused_atol
@@ -44,7 +44,7 @@ def _case(model: TextModel, rng: np.random.Generator, past_len: int, padding: bo
           dtypes: list[np.dtype]) -> tuple[dict, list[np.ndarray], int]:
     """A decoder call on a shared buffer: batch 1-8, `past_len` cached tokens, 1-8 new ones (GroupQueryAttention
     takes several new tokens on a cache only at batch 1, and no left padding: `padding=False` keeps to that)."""
-    cfg = model.config
+    spec = text_spec(model)
     batch, new = int(rng.integers(1, 9)), int(rng.integers(1, 9))
     if not padding and past_len and batch > 1:
         new = 1
@@ -54,7 +54,7 @@ def _case(model: TextModel, rng: np.random.Generator, past_len: int, padding: bo
         for row in range(1, batch):
             mask[row, : int(rng.integers(0, total))] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, total)))
+    ids = torch.from_numpy(rng.integers(0, spec.vocab_size, (batch, total)))
     with torch.no_grad():
         past = model.empty_past(batch)
         if past_len:
