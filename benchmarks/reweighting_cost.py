@@ -39,7 +39,7 @@ from models.multimax import paper_params
 from models.onnx_contract import ONNX_DOMAIN, REWEIGHTING_OPS
 from models.reweighting import FUNCTIONS, OTHER_FUNCTIONS
 from plugins import ort_ops
-from plugins.onnx_reweighting import reweighting_function_protos
+from plugins.onnx_functions import function_protos
 from plugins.ort_ops.graphs import reweighting_node, scores_model
 
 
@@ -73,7 +73,7 @@ def swap_softmax(twin: onnx.ModelProto, name: str, heads: int) -> onnx.ModelProt
     if not any(o.domain == ONNX_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(ONNX_DOMAIN, 1))
     if not any(f.domain == ONNX_DOMAIN and f.name == op for f in model.functions):
-        model.functions.extend(reweighting_function_protos(opset, {op}))
+        model.functions.extend(function_protos(opset, {op}))
     return model
 
 

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="fp16 model, MultiMax nodes kept in fp32")
     precision.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the weight matmuls")
+    precision.add_argument("--int4", action="store_true", help="onnxruntime-genai folder (-o DIR) only: 4-bit weight "
+                           "matmuls (onnxruntime's MatMulNBits, blocks of 32)")
     p.add_argument("--trt", action="store_true", help="also build a TensorRT engine with the MultiMax plugin (GPU)")
     p.add_argument("--threads", type=int, help="PyTorch threads for the reference pass (default: the cores idle "
                    "when the export starts)")
@@ -56,7 +58,7 @@ def options_from(args: argparse.Namespace) -> ExportOptions:
         output=Path(args.output) if args.output else None,
         opset=args.opset,
         inline=args.inline,
-        precision="fp16" if args.fp16 else "int8" if args.int8 else "fp32",
+        precision="fp16" if args.fp16 else "int8" if args.int8 else "int4" if args.int4 else "fp32",
         validate=not args.no_validate,
         samples=args.samples,
         batch_sizes=args.batch_sizes,

@@ -3,7 +3,9 @@
     DIR/model.onnx               the shared-buffer decoder graph (export.genai_graph), weights inside (or
                                  model.onnx.data above 2 GB)
     DIR/genai_config.json        decoder names and shapes, `past_present_share_buffer: true`, greedy search
-    DIR/tokenizer.json, tokenizer_config.json, special_tokens_map.json   the byte tokenizer (export.hf_tokenizer)
+    DIR/tokenizer.json, tokenizer_config.json, ...  the model's tokenizer (export.hf_tokenizer: the byte
+                                 tokenizer, a fairseq dictionary's, or a Hugging Face folder's files as they are:
+                                 chat template and generation_config.json included)
     DIR/libmultimax_ort_ops.so   the fused MultiMax ops (plugins.ort_ops), named in genai_config.json's
                                  session_options.custom_ops_library (onnxruntime-genai only loads a library
                                  from inside the model folder); left out for a model without MultiMax, and
@@ -21,20 +23,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from export.genai_graph import export_genai_text
-from export.hf_tokenizer import special_tokens_map, tokenizer_config, tokenizer_json
+from export.genai_graph import attention_kind, export_genai_text
+from export.hf_tokenizer import TokenizerFiles, tokenizer_files
 from export.onnx_export import DEFAULT_OPSET, ExportError
+from export.precision import Precision
 from models.atomic import staging_dir
 from models.checkpoint import Checkpoint
-from models.gpt import GPT, GPTConfig
+from models.multimax import multimax_owners
 from models.onnx_contract import PAST_PREFIX, PRESENT_PREFIX
-from models.tokenizer import ByteTokenizer
+from models.registry import TextModel
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "genai_config.json"
 LIBRARY_FILE = "libmultimax_ort_ops.so"
 REPORT_FILE = "validation.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # the byte tokenizer's
 
 
 def is_folder_output(output: Path | None) -> bool:
@@ -54,26 +57,28 @@ def check_folder_target(out: Path) -> None:
                           "(not an earlier export; choose an empty or new folder)")
 
 
-def genai_config(cfg: GPTConfig, tok: ByteTokenizer, library: str | None) -> dict[str, Any]:
+def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> dict[str, Any]:
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
     if library:
         session["custom_ops_library"] = library
+    cfg, layers = model.config, model.attention_layers()  # vocab_size, block_size: every text config's
+    first = layers[0]
     return {
         "model": {
             "type": "decoder",  # onnxruntime-genai's generic decoder-only LLM
             "bos_token_id": tok.bos_id,
-            "eos_token_id": tok.eos_id,
+            "eos_token_id": tok.eos_ids[0] if len(tok.eos_ids) == 1 else tok.eos_ids,
             "pad_token_id": tok.pad_id,
             "vocab_size": cfg.vocab_size,
             "context_length": cfg.block_size,
             "decoder": {
                 "session_options": session,
                 "filename": MODEL_FILE,
-                "head_size": cfg.head_dim,
-                "hidden_size": cfg.n_embd,
-                "num_attention_heads": cfg.n_head,
-                "num_key_value_heads": cfg.n_head,
-                "num_hidden_layers": cfg.n_layer,
+                "head_size": first.head_dim,
+                "hidden_size": first.num_heads * first.head_dim,  # the attention width (genai's decoder reads none)
+                "num_attention_heads": first.num_heads,
+                "num_key_value_heads": first.kv_heads,
+                "num_hidden_layers": len(layers),
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
@@ -117,23 +122,32 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_folder(model: GPT, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET, verbose: bool = False,
-                 with_library: bool = True) -> Path:
-    """Export `model` into the folder `out` (see the module docstring); returns `out`."""
+def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET, verbose: bool = False,
+                 with_library: bool = True, tokenizer_source: Path | None = None,
+                 precision: Precision = "fp32") -> Path:
+    """Export `model` into the folder `out` (see the module docstring); returns `out`.
+
+    `tokenizer_source`: the Hugging Face folder whose tokenizer files are copied (else they are made from
+    `ckpt.tokenizer`). precision "int4": the fp32 graph with its weight MatMuls as MatMulNBits.
+    """
     check_folder_target(out)
-    tok = ByteTokenizer.from_dict(ckpt.tokenizer) if ckpt.tokenizer else ByteTokenizer()
-    uses_multimax = model.config.multimax_attention or model.config.multimax_output
-    library = _library() if with_library and uses_multimax else None
+    tok = tokenizer_files(ckpt.tokenizer, tokenizer_source, model.config.block_size, model.config.vocab_size)
+    attention_kind(model)  # refuses what has no shared-buffer node, before anything is written
+    library = _library() if with_library and multimax_owners(model) else None
     with staging_dir(out) as staging:
         folder = staging / out.name
         folder.mkdir()
-        export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose)
+        traced: Precision = "fp16" if precision == "fp16" else "fp32"
+        export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose, precision=traced)
+        if precision == "int4":
+            from export.genai_quantize import quantize_int4
+
+            quantize_int4(folder / MODEL_FILE)
         if library is not None:
             shutil.copy2(library, folder / LIBRARY_FILE)
-        _write_json(folder / CONFIG_FILE, genai_config(model.config, tok, LIBRARY_FILE if library else None))
-        for name, data in zip(TOKENIZER_FILES, (tokenizer_json(tok), tokenizer_config(tok, model.config.block_size),
-                                                special_tokens_map(tok)), strict=True):
-            _write_json(folder / name, data)
+        _write_json(folder / CONFIG_FILE, genai_config(model, tok, LIBRARY_FILE if library else None))
+        for name, data in tok.files.items():
+            (folder / name).write_bytes(data)
         os.chmod(folder, 0o777 & ~_umask())  # mkdtemp's parent is private; the folder gets the usual mode
         if out.exists():  # an earlier export: moved aside (removed with the staging folder), then replaced
             out.rename(staging / (out.name + ".old"))

@@ -1,5 +1,11 @@
-"""The byte tokenizer (models.tokenizer) as Hugging Face `tokenizers` files, for runtimes that load a folder
-(onnxruntime-genai's tokenizer reads tokenizer.json and tokenizer_config.json).
+"""A text model's tokenizer as Hugging Face `tokenizers` files, for runtimes that load a folder
+(onnxruntime-genai's tokenizer reads tokenizer.json and tokenizer_config.json): `tokenizer_files`.
+
+- A Hugging Face model folder: its files as they are (tokenizer.json, tokenizer_config.json with the chat
+  template, chat_template.jinja, special_tokens_map.json, generation_config.json).
+- A fairseq dictionary (models.fairseq_dict): the tokenizer.json it was converted to (word level with fairseq's
+  four specials, or GPT-2's byte-level BPE with fairseq's ids; `</s>` first, as fairseq's LM input).
+- The byte tokenizer (models.tokenizer), below.
 
 A byte-level BPE with no merges: every UTF-8 byte is one token whose id is the byte's value (GPT-2's
 byte-to-character table names the 256 bytes), then the special tokens at their ids. Splitting words first
@@ -8,9 +14,64 @@ byte-to-character table names the 256 bytes), then the special tokens at their i
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from export.onnx_export import ExportError
+from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
+
+HF_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+FAIRSEQ_TYPE = "hf-tokenizers"  # models.fairseq_dict.TOKENIZER_TYPE
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """The files a folder export writes for its tokenizer, and the ids genai_config.json names."""
+
+    files: dict[str, bytes]
+    bos_id: int
+    eos_ids: list[int]
+    pad_id: int
+
+
+def _json(data: Any) -> bytes:
+    return (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def tokenizer_files(entry: dict[str, Any] | None, source: Path | None, context: int,
+                    vocab_size: int) -> TokenizerFiles:
+    """The tokenizer files of a model: copied from its Hugging Face folder `source`, or made from the
+    checkpoint's tokenizer entry (the byte tokenizer when there is none and the vocabulary is its size)."""
+    if source is not None:
+        tok = HFTokenizer.from_folder(source)
+        files = {n: (source / n).read_bytes() for n in HF_FOLDER_FILES if (source / n).is_file()}
+        eos = [int(i) for i in (entry or {}).get("eos_ids") or []] or ([tok.eos_id] if tok.eos_id is not None else [])
+        if not eos:
+            raise ExportError(f"{source}: no end-of-sequence token (generation_config.json's eos_token_id or "
+                              "tokenizer_config.json's eos_token); onnxruntime-genai needs one")
+        bos = tok.bos_id if tok.bos_id is not None else eos[0]
+        return TokenizerFiles(files, bos, eos, tok.pad_id if tok.pad_id is not None else eos[0])
+    if entry is not None and entry.get("type") == FAIRSEQ_TYPE:
+        names = {"bos": "</s>", "eos": "</s>", "pad": "<pad>", "unk": "<unk>"}  # fairseq's LM input starts with </s>
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
+                  "clean_up_tokenization_spaces": False, **{f"{k}_token": v for k, v in names.items()}}
+        files = {"tokenizer.json": _json(entry["tokenizer_json"]), "tokenizer_config.json": _json(config)}
+        return TokenizerFiles(files, int(entry["bos_id"]), [int(entry["eos_id"])], int(entry["pad_id"]))
+    if entry is not None and entry.get("type") != ByteTokenizer.type:
+        raise ExportError(f"no tokenizer files can be made from a {entry.get('type')!r} tokenizer entry; export the "
+                          "model from its Hugging Face folder or fairseq checkpoint")
+    byte = ByteTokenizer.from_dict(entry) if entry else ByteTokenizer()
+    if byte.vocab_size != vocab_size:
+        raise ExportError(f"the checkpoint names no tokenizer and its {vocab_size}-token vocabulary is not the byte "
+                          f"tokenizer's ({byte.vocab_size}); export it from its Hugging Face folder instead")
+    files = {"tokenizer.json": _json(tokenizer_json(byte)),
+             "tokenizer_config.json": _json(tokenizer_config(byte, context)),
+             "special_tokens_map.json": _json(special_tokens_map(byte))}
+    return TokenizerFiles(files, byte.bos_id, [byte.eos_id], byte.pad_id)
 
 
 def byte_to_char() -> dict[int, str]:

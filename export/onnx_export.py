@@ -30,12 +30,11 @@ from models.onnx_contract import (
     VISION_INPUT,
     VISION_OUTPUT,
     OnnxMetadata,
-    reweighting_op_types,
+    multimax_op_types,
     text_io_names,
 )
 from models.registry import TextModel
 from plugins.onnx_functions import function_protos
-from plugins.onnx_reweighting import reweighting_function_protos
 
 DEFAULT_OPSET = 18
 # protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that.
@@ -189,7 +188,7 @@ def _finish(
     """Attach the MultiMax function bodies (or inline them), quantize if asked, add the metadata, write atomically."""
     # the other reweighting functions' bodies only where the graph uses them (MultiMax files stay as they were)
     used = {n.op_type for n in program.model.graph.all_nodes() if n.domain == ONNX_DOMAIN}
-    for proto in [*function_protos(opset), *reweighting_function_protos(opset, used & set(reweighting_op_types()))]:
+    for proto in function_protos(opset, used | set(multimax_op_types())):
         fn = ir.serde.deserialize_function(proto)
         program.model.functions[fn.identifier()] = fn
     program.model.opset_imports[ONNX_DOMAIN] = 1

@@ -30,13 +30,15 @@ from export.tasks import export_task
 from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
 from models import registry
-from models.checkpoint import Checkpoint, load
-from models.gpt import GPT
+from models.checkpoint import HINT_FLAGS, Checkpoint, load
+from models.hf_folder import folder_checkpoint, is_model_folder, load_folder
 from models.labels import read_labels
 from models.onnx_contract import attention_function
+from models.registry import TextModel
 from plugins.trt_plugin import tensorrt_unavailable
 
 MIN_OPSET = 18
+FOLDER_ONLY = ("int4",)  # precisions of the onnxruntime-genai folder export only
 DEFAULT_BATCH_SIZES = (1, 2, 8)
 
 
@@ -119,12 +121,15 @@ def check_options(options: ExportOptions) -> None:
         raise ExportError(f"unknown precision {options.precision!r} (known: {', '.join(TOLERANCES)})")
     if is_folder_output(options.output):
         assert options.output is not None
-        asked = [flag for flag, on in (("--fp16/--int8", options.precision != "fp32"), ("--inline", options.inline),
+        asked = [flag for flag, on in (("--int8", options.precision == "int8"), ("--inline", options.inline),
                                        ("--trt", options.trt)) if on]
         if asked:
             raise ExportError(f"{', '.join(asked)}: not available for the onnxruntime-genai folder export (fp32, "
-                              "fused nodes); name a .onnx file with -o for a single-file export")
+                              "--fp16 or --int4, fused nodes); name a .onnx file with -o for a single-file export")
         check_folder_target(options.output)
+    elif options.precision in FOLDER_ONLY:
+        raise ExportError(f"--{options.precision}: only for the onnxruntime-genai folder export (-o DIR); a single "
+                          "file takes --fp16 or --int8")
     if options.trt:
         reason = tensorrt_unavailable()
         if reason:
@@ -145,13 +150,19 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], options: ExportOptions
 def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     precision = options.precision
     phases = Phases(show=options.progress)
+    source_folder = None
+    model: torch.nn.Module
     with phases.phase("load checkpoint"):
-        model, ckpt, _ = load(ckpt_path, **options.load_hints())
+        if is_model_folder(ckpt_path):  # a Hugging Face ForCausalLM folder (Llama, Qwen2, Qwen3)
+            model, ckpt, source_folder = _load_hf_folder(ckpt_path, options)
+        else:
+            model, ckpt, _ = load(ckpt_path, **options.load_hints())
     if options.labels is not None:
         attach_labels(ckpt, options.labels)
     suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
+    stem = ckpt_path.name if source_folder else ckpt_path.stem
     folder = options.output if options.output is not None and is_folder_output(options.output) else None
-    out = folder / MODEL_FILE if folder else Path(options.output) if options.output else Path(ckpt_path.stem + suffix)
+    out = folder / MODEL_FILE if folder else Path(options.output) if options.output else Path(stem + suffix)
     if not out.parent.is_dir() and not folder:
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
     if out.exists() and options.notify is not None:
@@ -160,15 +171,13 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     if folder and registry.task_of(ckpt.arch) != registry.TEXT:
         raise ExportError(f"-o {folder}: the onnxruntime-genai folder export is for text models, {ckpt.arch} is not "
                           "one; name a .onnx file")
-    if folder and not isinstance(model, GPT):  # Hugging Face-layout decoders: issue 24's next step
-        raise ExportError(f"-o {folder}: the onnxruntime-genai folder export takes the project's gpt checkpoints; "
-                          f"{ckpt.arch} is not supported there yet: name a .onnx file for a single-file export")
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
             if folder:
-                assert isinstance(model, GPT)  # other architectures were refused above
-                write_folder(model, ckpt, folder, opset=options.opset, verbose=True)
+                assert isinstance(model, TextModel)  # other tasks were refused above
+                write_folder(model, ckpt, folder, opset=options.opset, verbose=True, tokenizer_source=source_folder,
+                             precision=precision)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
                             verbose=True)
@@ -195,9 +204,9 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         if folder:
             from export.genai_validate import validate_genai_folder
 
-            assert isinstance(model, GPT)
+            assert isinstance(model, TextModel)
             report["validation"] = validate_genai_folder(model, folder, options.samples or 100, tolerance=tolerance,
-                                                         phases=phases)
+                                                         phases=phases, precision=precision)
         else:
             report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance,
                                                  phases)
@@ -214,6 +223,18 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     report_path = folder / REPORT_FILE if folder else out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return ExportReport(out, report_path, report, summary(report, report_path, phases))
+
+
+def _load_hf_folder(path: Path, options: ExportOptions) -> tuple[TextModel, Checkpoint, Path]:
+    """A Hugging Face model folder as a model and the checkpoint record the export's metadata is made from."""
+    flags = [HINT_FLAGS.get(k, k) for k in options.load_hints()]
+    if flags:
+        raise ExportError(f"{path}: {', '.join(flags)} apply to checkpoint files; a Hugging Face folder's config.json "
+                          "says everything")
+    model, info = load_folder(path)
+    if model.dtype != torch.float32:  # bf16/fp16 folders: exported and validated in fp32 (--fp16 for half)
+        model = model.float()
+    return model, folder_checkpoint(info), info.path
 
 
 def attach_labels(ckpt: Checkpoint, path: Path) -> None:

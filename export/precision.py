@@ -15,9 +15,10 @@ from typing import Literal
 import onnx
 import torch
 
-Precision = Literal["fp32", "fp16", "int8"]
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.float32}
+# int4: onnxruntime's MatMulNBits, for the onnxruntime-genai folder export only (export.genai_quantize)
+Precision = Literal["fp32", "fp16", "int8", "int4"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.float32, "int4": torch.float32}
 
 
 def quantize_int8(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -102,12 +102,19 @@ def limits(tolerance: dict, arch: str) -> str:
     return ", ".join([*parts, "no NaN"])
 
 
+def _agreement(run: dict) -> str:
+    """A reduced-precision run's share of greedy tokens equal to PyTorch's (shown only below 100%)."""
+    share = run.get("token_agreement", 1.0)
+    return f" ({share:.1%} of tokens)" if share < 1 else ""
+
+
 def genai_line(genai: dict) -> str:
     """The folder export's onnxruntime-genai check, one line."""
     if not genai["checked"]:
         return f"onnxruntime-genai: not checked, {genai['reason']}"
-    runs = [f"{name.replace('_', ' ')} {genai[name]['identical']}/{genai['prompts']}"
+    runs = [f"{name.replace('_', ' ')} {genai[name]['identical']}/{genai['prompts']}" + _agreement(genai[name])
             for name in ("library", "function_bodies") if name in genai]
     tok = genai["tokenizer"]
-    return (f"onnxruntime-genai: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); "
-            f"tokenizer {tok['identical']}/{tok['texts']} texts identical")
+    words = (f"tokenizer {tok['identical']}/{tok['texts']} texts identical" if tok.get("checked", True)
+             else f"tokenizer not checked: {tok['reason']}")
+    return f"onnxruntime-genai: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); {words}"

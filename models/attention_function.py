@@ -30,7 +30,7 @@ class AttentionFunction(nn.Module):
     offset: Tensor
     log_scale: Tensor
     # A fused implementation, fn(name, scores, mask, **params) -> weights, that inference on CUDA calls instead
-    # of the reference (set by plugins.reweight_op.use_fused_kernels; None here: models never import plugins).
+    # of the reference (set by plugins.torch_op.use_fused_kernels; None here: models never import plugins).
     fused: Callable[..., Tensor] | None = None
 
     def __init__(self, name: str, num_heads: int, options: dict[str, Any] | None = None) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention_hook import Attend, AttentionLayer, LayerAttend, attention_layer, for_layer
 from .config_base import ModelConfig
 from .gpt import KV, PastKeyValues, build_attention_mask, empty_past, past_and_positions
 from .multimax import PAPER_TABLE_8, attention_probs, modulate, paper_params
@@ -142,8 +143,12 @@ class SelfAttention(nn.Module):
             self.ranges = nn.Parameter(torch.zeros(4))
             self.ts = nn.Parameter(torch.zeros(4))
 
-    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+    def forward(self, x: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
         B, T, C = x.shape
+        if attend is not None:  # one attention node per layer (models.attention_hook): its scale is 1/sqrt(head_dim)
+            y, present = attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), past, mask)
+            return self.out_proj(y), present
 
         def heads(t: Tensor) -> Tensor:
             return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
@@ -170,9 +175,10 @@ class DecoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.ffn_dim, config.n_embd)
         self.final_layer_norm = nn.LayerNorm(config.n_embd, eps=config.ln_eps)
 
-    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+    def forward(self, x: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
         h = self.self_attn_layer_norm(x) if self.pre else x
-        a, present = self.self_attn(h, mask, past)
+        a, present = self.self_attn(h, mask, past, attend)
         x = x + a
         if not self.pre:
             x = self.self_attn_layer_norm(x)
@@ -226,7 +232,8 @@ class Decoder(nn.Module):
         return None
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, past_key_values: PastKeyValues | None
+        self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None, past_key_values: PastKeyValues | None,
+        attend: Attend | None = None,
     ) -> tuple[Tensor, PastKeyValues]:
         x = self.embed_scale * self.embed_tokens(input_ids)
         if hasattr(self, "project_in_dim"):
@@ -238,7 +245,7 @@ class Decoder(nn.Module):
             x = self.layernorm_embedding(x)
         presents: PastKeyValues = []
         for i, layer in enumerate(self.layers):
-            x, present = layer(x, mask, past_key_values[i] if past_key_values else None)
+            x, present = layer(x, mask, past_key_values[i] if past_key_values else None, for_layer(attend, i))
             presents.append(present)
         if hasattr(self, "layer_norm"):
             x = self.layer_norm(x)
@@ -256,6 +263,14 @@ class FairseqLM(nn.Module):
         self.config = config
         self.decoder = Decoder(config)
 
+    def attention_layers(self) -> list[AttentionLayer]:
+        """Per layer what an attention node needs (models.attention_hook): scores (q / sqrt(d)) . k, MultiMax."""
+        c = self.config
+        attns = [cast(SelfAttention, d.self_attn) for d in self.decoder.layers]
+        scale = 1 / math.sqrt(c.head_dim)
+        return [attention_layer(c.n_head, c.n_head, c.head_dim, scale, a if hasattr(a, "ranges") else None)
+                for a in attns]
+
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache as `forward` takes it: per layer (key, value) of (B, n_head, 0, head_dim)."""
         weight, c = self.decoder.embed_tokens.weight, self.config
@@ -267,15 +282,18 @@ class FairseqLM(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         past_key_values: PastKeyValues | None = None,
+        attend: Attend | None = None,
     ) -> tuple[Tensor, PastKeyValues]:
         """input_ids (B, T); position_ids default to past_len..past_len+T-1 (0-based, without fairseq's offset);
-        attention_mask (B, past_len + T) with 1 for real tokens."""
+        attention_mask (B, past_len + T) with 1 for real tokens. `attend`: each layer's attention by that instead
+        (models.attention_hook)."""
         T = input_ids.shape[1]
         # no context check here: as before (left-padded rows count from their first real token, as fairseq's)
         past_len, position_ids = past_and_positions(input_ids, position_ids, attention_mask, past_key_values, None)
         dtype = self.decoder.embed_tokens.weight.dtype
-        mask = build_attention_mask(T, past_len, attention_mask, dtype, input_ids.device)
-        return cast(tuple[Tensor, PastKeyValues], self.decoder(input_ids, position_ids, mask, past_key_values))
+        mask = attention_mask if attend is not None else build_attention_mask(
+            T, past_len, attention_mask, dtype, input_ids.device)
+        return cast(tuple[Tensor, PastKeyValues], self.decoder(input_ids, position_ids, mask, past_key_values, attend))
 
 
 @torch.no_grad()

@@ -1,12 +1,9 @@
 """Sampling and stopping, shared by the model package and the server (in the manner of gpt-fast's generate.py).
 
 - `top_k_filter`, `top_p_filter`, `sample_next`: next tokens for a batch of last-position logits (strict: bad
-  parameters raise), as `generate` and training samples use them;
-- `sample_token`: one row's next token for any parameters the API accepts, which never raises on them (the
-  decode loop of `service.generation`): `temperature` 0 and `top_p` 0 mean greedy; every other value in range
-  is honoured, computed in float64; where the numbers leave the finite range (a temperature so small that
-  logits / temperature overflows, a nucleus that keeps nothing) the limit of the distribution is taken, which
-  is greedy. Only logits that are themselves not finite (a model failure) raise, and then for this row alone;
+  parameters raise), as `generate` and training samples use them. The server's batched sampler
+  (`service.sampler`: per-row parameters, seeds, penalties, never raising on values the API accepts) takes its
+  parameters in the same order: temperature, top_k, top_p;
 - `stop_bytes`, `stop_match`: stop sequences on the decoded bytes;
 - `left_pad`: prompts of different lengths right-aligned in one batch;
 - `generate`: the reference generation loop with the KV cache (what the exported graph and the server are
@@ -196,29 +193,3 @@ def generate(
 
 class NonFiniteLogits(ValueError):
     """The model produced NaN or infinite logits for this sequence."""
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None,
-                 generator: torch.Generator, banned: Sequence[int] = (), output_function: str | None = None) -> int:
-    """Token id from `logits` (V,); greedy for temperature 0 or top_p 0, and wherever sampling degenerates.
-    `banned` ids are never drawn (eos under `ignore_eos` / before `min_tokens`). `output_function` as in
-    `sample_next` (a banned token is masked out of it: the rest renormalised as the function does)."""
-    if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits("the model produced non-finite logits for this sequence")
-    if banned:
-        logits = logits.double().index_fill(0, torch.tensor(list(banned)), float("-inf"))
-    greedy = int(logits.argmax())
-    if temperature <= 0 or top_p <= 0:
-        return greedy
-    scaled = logits.double() / temperature
-    if not bool(torch.isfinite(scaled[logits > float("-inf")]).all()):
-        return greedy  # temperature -> 0: the distribution tends to the argmax
-    scaled = as_output_logits(output_function, scaled[None])
-    if top_k is not None:
-        scaled = top_k_filter(scaled, top_k)
-    if top_p < 1:
-        scaled = top_p_filter(scaled, top_p)
-    probs = scaled.softmax(-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        return greedy
-    return int(torch.multinomial(probs, 1, generator=generator)[0, 0])

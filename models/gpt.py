@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
+from .attention_hook import Attend, AttentionLayer, LayerAttend, attention_layer, for_layer
 from .loading import CheckpointError, load_exact, strip_prefixes
 from .multimax import PAPER_TABLE_8, VARIANTS, Modulation, Variant, attention_probs, paper_params
 
@@ -182,9 +183,13 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+    def forward(self, x: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
+        if attend is not None:  # one attention node per layer (models.attention_hook): mask is the 0/1 one
+            y, present = attend(q, k, v, past, mask)
+            return self.resid_dropout(self.c_proj(y)), present
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
@@ -217,8 +222,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.ln_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
-        a, present = self.attn(self.ln_1(x), mask, past)
+    def forward(self, x: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
+        a, present = self.attn(self.ln_1(x), mask, past, attend)
         x = x + a
         return x + self.mlp(self.ln_2(x)), present
 
@@ -263,29 +269,37 @@ class GPT(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         past_key_values: PastKeyValues | None = None,
+        attend: Attend | None = None,
     ) -> tuple[Tensor, PastKeyValues]:
         """Logits (B, T, V) (after the output MultiMax, i.e. what softmax/cross-entropy take) and presents.
 
         attention_mask: (B, past_len + T), 1 for real tokens, 0 for (left) padding.
         past_key_values / presents: per layer (key, value) of shape (B, n_head, length, head_dim);
-        present = concat(past, new).
+        present = concat(past, new). `attend`: each layer's attention by that instead (models.attention_hook).
         """
         T = input_ids.shape[1]
         past_len, position_ids = past_and_positions(
             input_ids, position_ids, attention_mask, past_key_values, self.config.block_size
         )
         dtype = self.wte.weight.dtype
-        mask = build_attention_mask(T, past_len, attention_mask, dtype, input_ids.device)
+        mask = attention_mask if attend is not None else build_attention_mask(
+            T, past_len, attention_mask, dtype, input_ids.device)
 
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         presents: PastKeyValues = []
         for i, block in enumerate(self.blocks):
-            x, present = block(x, mask, past_key_values[i] if past_key_values else None)
+            x, present = block(x, mask, past_key_values[i] if past_key_values else None, for_layer(attend, i))
             presents.append(present)
         logits = self.lm_head(self.ln_f(x))
         if self.multimax is not None:
             logits = self.multimax(logits)
         return logits, presents
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        """Per layer what an attention node needs (models.attention_hook; every text architecture has this)."""
+        c = self.config
+        return [attention_layer(c.n_head, c.n_head, c.head_dim, b.attn.scale, b.attn.multimax)
+                for b in self.block_list()]
 
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache as `forward` takes it (every text architecture has this method: the exporter and

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import read_file
+from .checkpoint import Checkpoint, read_file
 from .hf_tokenizer import HFTokenizer, read_json
 from .llama import FLAVORS, ROPE_TYPES, Llama, LlamaConfig, hf_name, rope_frequencies
 from .loading import CheckpointError
@@ -29,6 +29,7 @@ from .multimax import Modulation
 # Hugging Face model_type -> the class name config.json's "architectures" gives it
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 assert tuple(ARCHITECTURES) == FLAVORS
+ARCH = "llama"  # the registry's architecture (models.llama) these folders load as
 MULTIMAX_MODULES = ("lm_head", "attention")  # the places config.json's multimax_modules may name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hugging Face per-class defaults for keys a config.json may leave out
@@ -370,3 +371,10 @@ def load_folder(path: str | Path) -> tuple[Llama, HFFolder]:
     files = sorted({p.name for p in origin.values()})
     info = HFFolder(folder, config, dict(hf), arch, dtype, tokenizer, generation, files, _multimax_values(model))
     return model, info
+
+
+def folder_checkpoint(info: HFFolder) -> Checkpoint:
+    """The checkpoint record of a loaded folder (architecture, config, tokenizer summary; the weights stay in the
+    model): what an export's metadata is made from."""
+    return Checkpoint(arch=ARCH, config=info.config.to_dict(), state_dict={}, tokenizer=info.tokenizer.to_dict(),
+                      meta={"source_layout": f"Hugging Face {info.architecture}"})

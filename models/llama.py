@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
+from .attention_hook import Attend, AttentionLayer, LayerAttend, attention_layer, for_layer
 from .gpt import PastKeyValues, build_attention_mask, empty_past, past_and_positions
 from .multimax import PAPER_TABLE_8, Modulation, attention_probs, paper_params
 
@@ -253,7 +254,8 @@ class Attention(nn.Module):
         self.multimax = Modulation(config.variant, affine=False) if multimax else None  # type: ignore[arg-type]
         self.reweight = make_attention_function(config.attention_function, config.n_head, config.attention_options)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim)
         k = self.wk(x).view(B, T, self.n_local_heads, self.head_dim)
@@ -261,6 +263,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        if attend is not None:  # one attention node per layer (models.attention_hook): rotated q, k as (B, T, H*D)
+            flat = [t.transpose(1, 2).reshape(B, T, -1) for t in (q, k, v)]
+            y, present = attend(flat[0], flat[1], flat[2], past, mask)
+            return self.wo(y), present
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -295,8 +301,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: KV | None) -> tuple[Tensor, KV]:
-        a, present = self.attention(self.attention_norm(x), cos, sin, mask, past)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: KV | None,
+                attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
+        a, present = self.attention(self.attention_norm(x), cos, sin, mask, past, attend)
         x = x + a
         return x + self.feed_forward(self.ffn_norm(x)), present
 
@@ -337,6 +344,12 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
+    def attention_layers(self) -> list[AttentionLayer]:
+        """Per layer what an attention node needs (models.attention_hook): grouped key/value heads, MultiMax."""
+        c = self.config
+        return [attention_layer(c.n_head, c.n_local_heads, c.head_dim, b.attention.scale, b.attention.multimax)
+                for b in self.block_list()]
+
     def empty_past(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> PastKeyValues:
         """A zero-length cache: per layer (key, value) of shape (B, n_local_heads, 0, head_dim)."""
         c = self.config
@@ -349,23 +362,27 @@ class Llama(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         past_key_values: PastKeyValues | None = None,
+        attend: Attend | None = None,
     ) -> tuple[Tensor, PastKeyValues]:
         """Logits (B, T, V) in float32 (after SegLU where the model has it) and the presents.
 
         attention_mask: (B, past_len + T), 1 for real tokens, 0 for padding (left or right).
         past_key_values / presents: per layer (key, value) (B, n_local_heads, length, head_dim); present =
-        concat(past, new). position_ids default to the count of real tokens before each one.
+        concat(past, new). position_ids default to the count of real tokens before each one. `attend`: each
+        layer's attention by that instead (models.attention_hook).
         """
         T = input_ids.shape[1]
         past_len, position_ids = past_and_positions(
             input_ids, position_ids, attention_mask, past_key_values, self.config.block_size
         )
         x = self.tok_embeddings(input_ids)
-        mask = build_attention_mask(T, past_len, attention_mask, x.dtype, input_ids.device)
+        mask = attention_mask if attend is not None else build_attention_mask(
+            T, past_len, attention_mask, x.dtype, input_ids.device)
         cos, sin = self.rope(position_ids, x.dtype)
         presents: PastKeyValues = []
         for i, block in enumerate(self.block_list()):
-            x, present = block(x, cos, sin, mask, past_key_values[i] if past_key_values else None)
+            x, present = block(x, cos, sin, mask, past_key_values[i] if past_key_values else None,
+                               for_layer(attend, i))
             presents.append(present)
         logits = self.output(self.norm(x)).float()
         if self.output_multimax is not None:

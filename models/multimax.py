@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.onnx_contract import plugin_attrs
+from models.onnx_contract import MULTIMAX_OP, MULTIMAX_SIGMA_OP, NO_MASK, ONNX_DOMAIN, plugin_attrs
 
 Variant = Literal["second", "first", "v2"]
 VARIANTS: tuple[str, ...] = ("second", "first", "v2")
@@ -158,9 +158,9 @@ def modulate(x: torch.Tensor, owner: Owner, order: int | None = None) -> torch.T
     """
     order = _order(owner, order)
     x = _affine(owner, x)
-    frozen = _export_attrs(owner, order, "MultiMaxSigma")
+    frozen = _export_attrs(owner, order, MULTIMAX_SIGMA_OP)
     if frozen is not None:
-        return _export_node("MultiMaxSigma", x, None, frozen)
+        return _export_node(MULTIMAX_SIGMA_OP, x, None, frozen)
     return sigma(x, owner.ranges, owner.ts, order)
 
 
@@ -172,14 +172,19 @@ def attention_probs(
     `owner` holds the MultiMax parameters (None: plain softmax). Half-precision scores are modulated and
     normalised in fp32 (squares and the exp-sum overflow fp16); fp32/fp64 stay as they are. Under ONNX export
     (inside `onnx_export_params`) the whole step is one `multimax::MultiMax` node (with the mask)
-    or `multimax::MultiMaxNoMask` (without).
+    or `multimax::MultiMaxNoMask` (without). At inference on CUDA, an owner given a fused implementation
+    (`fused(scores, ranges, ts, order, mask)`, set by plugins.torch_op.use_fused_kernels; models never import
+    plugins) runs it instead: one Triton kernel for the whole step.
     """
     if owner is not None:
         order = _order(owner, order)
-        op = "MultiMax" if mask is not None else "MultiMaxNoMask"
+        op = MULTIMAX_OP if mask is not None else MULTIMAX_OP + NO_MASK
         frozen = _export_attrs(owner, order, op)
         if frozen is not None:
             return _export_node(op, _affine(owner, scores), mask, frozen)
+        fused = getattr(owner, "fused", None)
+        if fused is not None and scores.is_cuda and not torch.is_grad_enabled():
+            return fused(_affine(owner, scores), owner.ranges, owner.ts, order, mask)
     half = scores.dtype in (torch.float16, torch.bfloat16)
     y = scores.float() if half else scores  # sigma's squared terms overflow fp16: fp32 like the fused kernel
     y = y if owner is None else modulate(y, owner, order)
@@ -211,7 +216,7 @@ def _export_node(op: str, x: torch.Tensor, mask: torch.Tensor | None, attrs: Exp
     """One `multimax::<op>` node, always computed in fp32: the squared terms overflow fp16."""
     dtype = x.dtype
     inputs = (x.float(),) if mask is None else (x.float(), mask.float())
-    y = torch.onnx.ops.symbolic(f"multimax::{op}", inputs, attrs, dtype=torch.float32, shape=x.shape, version=1)
+    y = torch.onnx.ops.symbolic(f"{ONNX_DOMAIN}::{op}", inputs, attrs, dtype=torch.float32, shape=x.shape, version=1)
     return y.to(dtype)
 
 

@@ -80,6 +80,23 @@ MASKED_BELOW = -1e4
 ATTENTION_FUNCTION = "attention_function"
 
 
+# MultiMax's ops (models.multimax): the attention step `MultiMax(x, mask)` / `MultiMaxNoMask(x)` like every function,
+# and `MultiMaxSigma(x)`, the modulation alone (output layers). Its attributes: the 8 learned parameters, the order.
+MULTIMAX_OP = "MultiMax"
+MULTIMAX_SIGMA_OP = "MultiMaxSigma"
+MULTIMAX_ATTRIBUTES = ("ranges", "ts", "order")
+NO_MASK = "NoMask"  # the op type without the mask input is the masked one's plus this
+# The whole family of reweighting functions with custom ops, MultiMax first (plugins.family describes each member):
+# config name -> masked op type, and op type -> node attributes.
+FAMILY_OPS: dict[str, str] = {"multimax": MULTIMAX_OP, **REWEIGHTING_OPS}
+FAMILY_ATTRIBUTES: dict[str, tuple[str, ...]] = {MULTIMAX_OP: MULTIMAX_ATTRIBUTES, **REWEIGHTING_ATTRIBUTES}
+
+
+def multimax_op_types() -> tuple[str, ...]:
+    """MultiMax's three op types: masked, NoMask and the modulation alone."""
+    return MULTIMAX_OP, MULTIMAX_OP + NO_MASK, MULTIMAX_SIGMA_OP
+
+
 def reweighting_op_types() -> tuple[str, ...]:
     """Every op type of the other reweighting functions, masked and NoMask."""
     return tuple(t for op in REWEIGHTING_OPS.values() for t in (op, op + "NoMask"))

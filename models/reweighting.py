@@ -25,8 +25,8 @@ import entmax
 import torch
 from torch import Tensor
 
+from models.onnx_contract import FAMILY_OPS as OPS
 from models.onnx_contract import MASKED_BELOW
-from models.onnx_contract import REWEIGHTING_OPS as OPS
 
 Reweight = Callable[..., Tensor]
 
@@ -229,9 +229,9 @@ FUNCTIONS: dict[str, ReweightingSpec] = {
     s.name: s
     for s in (
         ReweightingSpec("softmax", softmax, None, "softmax over the unmasked entries"),
-        # MultiMax has its own module (models.multimax) and ops (MultiMax, MultiMaxNoMask); listed for the table
+        # MultiMax's reference is models.multimax (its own parameters); plugins.family runs it like the others
         ReweightingSpec(
-            "multimax", None, "MultiMax", "softmax after MultiMax's learned modulation (models.multimax)",
+            "multimax", None, OPS["multimax"], "softmax after MultiMax's learned modulation (models.multimax)",
             params=("ranges", "ts"),
         ),
         ReweightingSpec("sparsemax", sparsemax, OPS["sparsemax"], "Euclidean projection onto the simplex", sparse=True),

@@ -1,11 +1,12 @@
-"""Ahead-of-time compilation of the MultiMax kernel to PTX / cubin, with no GPU needed.
+"""Ahead-of-time compilation of the reweighting family's Triton kernels to PTX / cubin, with no GPU needed.
 
-`compile_kernel(spec, arch)` is what the TensorRT plugin hands to TensorRT (the PTX goes into the
+`compile_kernel(spec, arch)` is what the TensorRT plugins hand to TensorRT (the PTX goes into the
 engine) and what CI runs for sm_80 and sm_90 (`python -m plugins.aot`), so a kernel that would not
-build on a GPU fails here first. The 8 learned parameters, the order, the op and (when static) the
-row length are compile-time constants: TensorRT does not serialise the attributes of AOT plugins and
-passes only int32 scalars to the kernel, so constants in the PTX are how the parameters survive
-engine serialisation.
+build on a GPU fails here first. One `KernelSpec` for every op type of the family (plugins.family names
+the kernel that runs it): the node attributes (MultiMax's 8 learned parameters and order; k, eps, m,
+per-head offset/scale), the op and (when static) the row length are compile-time constants:
+TensorRT does not serialise the attributes of AOT plugins and passes only int32 scalars to the kernel,
+so constants in the PTX are how the parameters survive engine serialisation.
 
 Runs in a process without TRITON_INTERPRET=1 (see `plugins.kernel`).
 """
@@ -23,9 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from models.onnx_contract import MULTIMAX_SIGMA_OP, multimax_op_types
+from plugins.family import MULTIMAX_KERNEL, REWEIGHT_KERNEL
 from plugins.kernel import MAX_BLOCK_L, TILE_ELEMENTS, LaunchConfig, choose_config
 
-OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
 TRITON_DTYPES = ("fp32", "fp16", "bf16")
 # Oldest PTX ISA that has each target: PTX from the newest ptxas (.version 9.x) does not load on the
 # CUDA 12 drivers TensorRT 10 runs on, and these kernels need nothing newer.
@@ -34,22 +36,35 @@ CI_ARCHS = (80, 90)
 _PARAM_NAMES = ("r0", "r1", "r2", "r3", "t0", "t1", "t2", "t3")
 
 
+MAX_HEADS = 64  # per-head Gaussian/Laplacian values baked into one kernel (a where-chain over the heads)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
-    """Everything that is baked into one compiled kernel."""
+    """Everything baked into one compiled kernel: an op type of the reweighting family (plugins.family; its member
+    names the kernel) and that op's node attributes as constants. Fields of other members' attributes are unused."""
 
     op: str
     dtype: str = "fp32"  # x and the output
-    mask_dtype: str | None = None  # MultiMax only; None: same as dtype
-    ranges: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    mask_dtype: str | None = None  # masked ops only; None: same as dtype
+    ranges: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # MultiMax
     ts: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     order: int = 2
+    k: int = 8  # TopKSoftMax
+    eps: float = 0.1  # LengthScaledSoftMax
+    m: float = 0.0
+    offset: tuple[float, ...] = (0.0,)  # GaussianAttention, LaplacianAttention
+    scale: tuple[float, ...] = (1.0,)
     n_cols: int | None = None  # static row length (a constant), None when the axis is dynamic
     tile_elements: int = TILE_ELEMENTS
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown MultiMax op {self.op!r}; expected one of {OPS}")
+        from plugins.family import member_of, op_types
+
+        try:
+            member_of(self.op)
+        except ValueError:
+            raise ValueError(f"unknown MultiMax op {self.op!r}; expected one of {op_types()}") from None
         for name in ("dtype", "mask_dtype"):
             value = getattr(self, name)
             if value is not None and value not in TRITON_DTYPES:
@@ -58,55 +73,6 @@ class KernelSpec:
             raise ValueError("ranges and ts need 4 values each")
         if self.order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {self.order}")
-        # Canonical floats: specs that compare equal share one compiled kernel.
-        object.__setattr__(self, "ranges", tuple(float(v) for v in self.ranges))
-        object.__setattr__(self, "ts", tuple(float(v) for v in self.ts))
-
-    @property
-    def has_mask(self) -> bool:
-        return self.op == "MultiMax"
-
-    @property
-    def scalar_args(self) -> tuple[str, ...]:
-        """The int32 kernel arguments a launcher passes, in order, between the inputs and the output."""
-        names = ["n_rows"] + (["n_cols"] if self.n_cols is None else [])
-        if self.has_mask:
-            names += ["n1", "n2", "ms0", "ms1", "ms2"]
-        return tuple(names)
-
-    @property
-    def config(self) -> LaunchConfig:
-        return choose_config(self.n_cols, self.tile_elements)
-
-
-MAX_HEADS = 64  # per-head Gaussian/Laplacian values baked into one kernel (a where-chain over the heads)
-
-
-@dataclass(frozen=True)
-class ReweightSpec:
-    """Everything baked into one compiled kernel of the other reweighting functions (plugins.reweight_kernel):
-    the op type (models.onnx_contract, masked or NoMask) and its node attributes as constants."""
-
-    op: str
-    dtype: str = "fp32"
-    mask_dtype: str | None = None  # masked ops only; None: same as dtype
-    k: int = 8
-    eps: float = 0.1
-    m: float = 0.0
-    offset: tuple[float, ...] = (0.0,)
-    scale: tuple[float, ...] = (1.0,)
-    n_cols: int | None = None  # static row length, None when the axis is dynamic
-
-    def __post_init__(self) -> None:
-        from models.onnx_contract import REWEIGHTING_OPS
-
-        bases = {op: fn for fn, op in REWEIGHTING_OPS.items()}
-        if self.op.removesuffix("NoMask") not in bases:
-            raise ValueError(f"unknown reweighting op {self.op!r}; expected one of {sorted(bases)} (+ NoMask)")
-        for name in ("dtype", "mask_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in TRITON_DTYPES:
-                raise ValueError(f"{name} must be one of {TRITON_DTYPES}, got {value!r}")
         if int(self.k) < 1 or not 0.0 < self.eps < 1.0 or self.m < 0:
             raise ValueError(f"need k >= 1, eps in (0, 1), m >= 0; got k={self.k}, eps={self.eps}, m={self.m}")
         offset, scale = tuple(float(v) for v in self.offset), tuple(float(v) for v in self.scale)
@@ -115,27 +81,37 @@ class ReweightSpec:
                              f"{len(scale)}")  # fmt: skip
         if not all(s > 0 for s in scale):
             raise ValueError("every scale must be > 0")
-        if self.n_cols is not None and self.n_cols > MAX_BLOCK_L:
+        if self.kernel == REWEIGHT_KERNEL and self.n_cols is not None and self.n_cols > MAX_BLOCK_L:
             raise ValueError(f"rows of {self.n_cols} > {MAX_BLOCK_L} entries do not fit one program")
-        object.__setattr__(self, "offset", offset)
-        object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "k", int(self.k))
-        object.__setattr__(self, "eps", float(self.eps))
-        object.__setattr__(self, "m", float(self.m))
+        # Canonical values: specs that compare equal share one compiled kernel.
+        for name, value in (("ranges", tuple(float(v) for v in self.ranges)), ("ts", tuple(float(v) for v in self.ts)),
+                            ("offset", offset), ("scale", scale), ("k", int(self.k)), ("eps", float(self.eps)),
+                            ("m", float(self.m))):  # fmt: skip
+            object.__setattr__(self, name, value)
 
     @property
     def function(self) -> str:
-        from models.onnx_contract import REWEIGHTING_OPS
+        """The family member (config name) whose op this is."""
+        from plugins.family import member_of
 
-        return {op: fn for fn, op in REWEIGHTING_OPS.items()}[self.op.removesuffix("NoMask")]
+        return member_of(self.op).name
+
+    @property
+    def kernel(self) -> str:
+        """The Triton kernel that runs it (plugins.family.MULTIMAX_KERNEL or REWEIGHT_KERNEL)."""
+        from plugins.family import member_of
+
+        return member_of(self.op).kernel
 
     @property
     def has_mask(self) -> bool:
-        return not self.op.endswith("NoMask")
+        from plugins.family import member_of
+
+        return member_of(self.op).takes_mask(self.op)
 
     @property
     def per_head(self) -> bool:
-        return len(self.offset) > 1
+        return self.kernel == REWEIGHT_KERNEL and len(self.offset) > 1
 
     @property
     def scalar_args(self) -> tuple[str, ...]:
@@ -149,13 +125,15 @@ class ReweightSpec:
 
     @property
     def config(self) -> LaunchConfig:
+        if self.kernel == MULTIMAX_KERNEL:  # tiles loop over long rows
+            return choose_config(self.n_cols, self.tile_elements)
         # A whole row in one tile: a dynamic axis gets the widest tile (longer rows come out NaN, not cut).
-        return choose_config(self.n_cols, block_l=None if self.n_cols is not None else MAX_BLOCK_L)
+        return choose_config(self.n_cols, self.tile_elements, None if self.n_cols is not None else MAX_BLOCK_L)
 
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    spec: KernelSpec | ReweightSpec
+    spec: KernelSpec
     arch: int
     name: str
     ptx: str  # scratch parameters removed: exactly inputs, spec.scalar_args, output
@@ -173,7 +151,7 @@ class CompiledKernel:
         return entry_params(self.ptx, self.name)
 
 
-def _signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
+def _multimax_signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
     cfg = spec.config
     ptr = f"*{spec.dtype}"
     sig: dict[str, str] = {"x_ptr": ptr, "mask_ptr": f"*{spec.mask_dtype or spec.dtype}", "p_ptr": "constexpr"}
@@ -189,7 +167,7 @@ def _signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
     const |= {
         "ORDER": spec.order,
         "HAS_MASK": spec.has_mask,
-        "SOFTMAX": spec.op != "MultiMaxSigma",
+        "SOFTMAX": spec.op != MULTIMAX_SIGMA_OP,
         "PARAMS_IN_MEMORY": False,
         "BLOCK_R": cfg.block_r,
         "BLOCK_L": cfg.block_l,
@@ -199,7 +177,7 @@ def _signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
     return sig, const
 
 
-def _reweight_signature(spec: ReweightSpec) -> tuple[dict[str, str], dict[str, object]]:
+def _reweight_signature(spec: KernelSpec) -> tuple[dict[str, str], dict[str, object]]:
     from plugins.reweight_kernel import FNS
 
     cfg = spec.config
@@ -273,7 +251,7 @@ def _assemble(ptx: str, arch: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=512)
-def compile_kernel(spec: KernelSpec | ReweightSpec, arch: int, ptx_version: int | None = None) -> CompiledKernel:
+def compile_kernel(spec: KernelSpec, arch: int, ptx_version: int | None = None) -> CompiledKernel:
     """Compile `spec` for compute capability `arch` (80 = sm_80, 90 = sm_90a, ...); no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -284,8 +262,8 @@ def compile_kernel(spec: KernelSpec | ReweightSpec, arch: int, ptx_version: int 
 
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs a process without TRITON_INTERPRET=1")
-    kernel = reweight_kernel if isinstance(spec, ReweightSpec) else multimax_kernel
-    sig, const = _reweight_signature(spec) if isinstance(spec, ReweightSpec) else _signature(spec)
+    kernel = reweight_kernel if spec.kernel == REWEIGHT_KERNEL else multimax_kernel
+    sig, const = (_reweight_signature if spec.kernel == REWEIGHT_KERNEL else _multimax_signature)(spec)
     names = kernel.arg_names
     # TensorRT hands plugins 256-byte aligned buffers and torch allocations are too: allow 16-byte vectors.
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("x_ptr", "mask_ptr", "out_ptr") if n not in const}
@@ -328,14 +306,14 @@ def ci_specs(quick: bool = False) -> list[KernelSpec]:
         ]
     specs = [
         KernelSpec(op, dtype, ranges=ranges, ts=ts, n_cols=n_cols)
-        for op in OPS
+        for op in multimax_op_types()
         for dtype in ("fp32", "fp16")
         for n_cols in (197, None)
     ]
     return [*specs, KernelSpec("MultiMax", "fp16", "fp32", ranges, ts, order=1, n_cols=None)]
 
 
-def reweight_ci_specs(quick: bool = False) -> list[ReweightSpec]:
+def reweight_ci_specs(quick: bool = False) -> list[KernelSpec]:
     """Every reweighting op, masked and not, with attributes like an export's (per-head for DeiT-small's 6 heads):
     fp16 at DeiT's static 197 and fp32 on a dynamic axis; `quick`: the masked op of each function, dynamic."""
     from models.onnx_contract import REWEIGHTING_ATTRIBUTES
@@ -350,9 +328,9 @@ def reweight_ci_specs(quick: bool = False) -> list[ReweightSpec]:
     for base in REWEIGHTING_ATTRIBUTES:
         kw: dict[str, Any] = dict(values.get(base, {}))
         for op in (base,) if quick else (base, base + "NoMask"):
-            specs.append(ReweightSpec(op, "fp32", n_cols=None, **kw))
+            specs.append(KernelSpec(op, "fp32", n_cols=None, **kw))
             if not quick:
-                specs.append(ReweightSpec(op, "fp16", n_cols=197, **kw))
+                specs.append(KernelSpec(op, "fp16", n_cols=197, **kw))
     return specs
 
 
@@ -364,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         for arch in args.arch:
-            specs: list[KernelSpec | ReweightSpec] = [*ci_specs(args.quick), *reweight_ci_specs(args.quick)]
+            specs: list[KernelSpec] = [*ci_specs(args.quick), *reweight_ci_specs(args.quick)]
             for spec in specs:
                 k = compile_kernel(spec, arch)
                 row = {

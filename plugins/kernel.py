@@ -222,6 +222,18 @@ def mask_args(mask: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor 
     return m, (n1, n2, ms0, ms1, ms2)
 
 
+def rows_of(x: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(x contiguous, its output buffer, n_rows, n_cols): the [R, L] view every launcher of the family's kernels
+    takes; a TypeError / ValueError naming `kernel` for a tensor no kernel takes."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{kernel} supports {SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{kernel} needs at least one axis")
+    x = x.contiguous()
+    n_cols = x.shape[-1]
+    return x, torch.empty_like(x), x.numel() // n_cols if n_cols else 0, n_cols
+
+
 def require_runnable(x: torch.Tensor) -> None:
     """A launch needs a CUDA tensor, or this process interpreting (a clear error instead of Triton's)."""
     if x.device.type != "cuda" and not interpreting():
@@ -240,16 +252,9 @@ def _launch(
     softmax: bool,
     config: LaunchConfig | None,
 ) -> torch.Tensor:
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"MultiMax kernel supports {SUPPORTED_DTYPES}, got {x.dtype}")
     if order not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {order}")
-    if x.dim() == 0:
-        raise ValueError("MultiMax needs at least one axis")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols if n_cols else 0
+    x, out, n_rows, n_cols = rows_of(x, "the MultiMax kernel")
     if n_rows == 0 or n_cols == 0:
         return out
     cfg = config or choose_config(n_cols)

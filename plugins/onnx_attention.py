@@ -3,13 +3,15 @@
 
     MultiMaxAttention(query, key, value, past_key, past_value, attention_mask) -> output, present_key, present_value
 
-query/key/value (batch, sequence, heads*head_dim) are the new tokens' projections; past_key/past_value
-(batch, heads, M, head_dim) is the cache: either exactly the past (M = past length, present = concat) or a
-buffer of the maximum length (M >= total length) that the new keys are written into at [past, total), the
-positions after them kept. attention_mask (batch, total) int64 says which cached tokens are real (left
-padding is 0); past = total - sequence. Attention is the GPT's (models.gpt): scores (q . k) * scale, sigma,
-then the causal and padding mask (a padding query sees itself), then softmax; output (batch, sequence,
-heads*head_dim). Attributes: num_heads, scale, the MultiMax `ranges`/`ts`/`order` and the plugin attributes.
+query (batch, sequence, heads*head_dim) and key/value (batch, sequence, kv_heads*head_dim) are the new tokens'
+projections (grouped-query attention: query head h reads key/value head h // (heads / kv_heads), as
+models.llama's repeat); past_key/past_value (batch, kv_heads, M, head_dim) is the cache: either exactly the past
+(M = past length, present = concat) or a buffer of the maximum length (M >= total length) that the new keys are
+written into at [past, total), the positions after them kept. attention_mask (batch, total) int64 says which
+cached tokens are real (left padding is 0); past = total - sequence. Attention is the GPT's (models.gpt):
+scores (q . k) * scale, sigma, then the causal and padding mask (a padding query sees itself), then softmax;
+output (batch, sequence, heads*head_dim). Attributes: num_heads, kv_num_heads, scale, the MultiMax
+`ranges`/`ts`/`order` and the plugin attributes.
 
 The body copies (Concat/Slice); the fused kernel in plugins/ort_ops writes the new keys in place when the
 runtime hands it the same buffer for past and present, which is what makes a decode step's cost independent
@@ -22,10 +24,10 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from models.onnx_contract import ONNX_DOMAIN, PLUGIN_ATTRIBUTES
-from plugins.onnx_functions import _sigma_nodes
+from plugins.onnx_bodies import Body
 
 OP = "MultiMaxAttention"
-ATTRIBUTES = ("num_heads", "scale", "ranges", "ts", "order", *PLUGIN_ATTRIBUTES)
+ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "ranges", "ts", "order", *PLUGIN_ATTRIBUTES)
 INPUTS = ["query", "key", "value", "past_key", "past_value", "attention_mask"]
 OUTPUTS = ["output", "present_key", "present_value"]
 FLOAT32_MIN = -3.4028234663852886e38  # finfo(float32).min: the GPT's additive mask value
@@ -42,10 +44,17 @@ def _const(name: str, values: list[int]) -> onnx.NodeProto:
                                                                                  values))
 
 
-def _heads(x: str, out: str) -> list[onnx.NodeProto]:
+def _heads(x: str, out: str, shape: str = "shape_bshd") -> list[onnx.NodeProto]:
     """(B, S, H*D) -> (B, H, S, D)."""
     n = helper.make_node
-    return [n("Reshape", [x, "shape_bshd"], [out + "_bshd"]), n("Transpose", [out + "_bshd"], [out], perm=[0, 2, 1, 3])]
+    return [n("Reshape", [x, shape], [out + "_bshd"]), n("Transpose", [out + "_bshd"], [out], perm=[0, 2, 1, 3])]
+
+
+def _repeat(x: str, out: str) -> list[onnx.NodeProto]:
+    """(B, KV, T, D) -> (B, H, T, D): each key/value head serves H / KV consecutive query heads."""
+    n = helper.make_node
+    return [n("Unsqueeze", [x, "axis2"], [out + "_5d"]), n("Expand", [out + "_5d", "shape_bkgtd"], [out + "_g"]),
+            n("Reshape", [out + "_g", "shape_bhtd"], [out])]
 
 
 def _cache(past: str, new: str, out: str, visible: str) -> list[onnx.NodeProto]:
@@ -59,27 +68,41 @@ def _cache(past: str, new: str, out: str, visible: str) -> list[onnx.NodeProto]:
     ]
 
 
+def _sigma(scores: str, out: str) -> list[onnx.NodeProto]:
+    """MultiMax's modulation of `scores` into `out`, the chain of every MultiMax body (plugins.onnx_bodies)."""
+    b = Body(masked=False)
+    b.name_output(b.sigma(scores), out)
+    return b.nodes
+
+
 def attention_function_proto(opset: int) -> onnx.FunctionProto:
     n = helper.make_node
     nodes = [
         _ref("num_heads_c", "value_int", AttributeProto.INT),
+        _ref("kv_num_heads_c", "value_int", AttributeProto.INT),
         _ref("scale_c", "value_float", AttributeProto.FLOAT),
         _const("zero1", [0]), _const("one1", [1]), _const("two1", [2]), _const("three1", [3]),
         _const("axis2", [2]), _const("big1", [2**62]), _const("axes12", [1, 2]), _const("axes0", [0]),
         _const("axes1", [1]), _const("minus1", [-1]),
         n("Unsqueeze", ["num_heads_c", "axes0"], ["heads1"]),
+        n("Unsqueeze", ["kv_num_heads_c", "axes0"], ["kvheads1"]),
+        n("Div", ["heads1", "kvheads1"], ["groups1"]),
         n("Shape", ["query"], ["qshape"]),
         n("Slice", ["qshape", "zero1", "one1"], ["batch1"]),
         n("Slice", ["qshape", "one1", "two1"], ["seq1"]),
         n("Slice", ["qshape", "two1", "three1"], ["width1"]),
         n("Div", ["width1", "heads1"], ["dim1"]),
         n("Concat", ["batch1", "seq1", "heads1", "dim1"], ["shape_bshd"], axis=0),
+        n("Concat", ["batch1", "seq1", "kvheads1", "dim1"], ["shape_bskd"], axis=0),
         n("Shape", ["attention_mask"], ["mshape"]),
         n("Slice", ["mshape", "one1", "two1"], ["total1"]),
         n("Sub", ["total1", "seq1"], ["past1"]),
-        *_heads("query", "q"), *_heads("key", "k"), *_heads("value", "v"),
-        *_cache("past_key", "k", "present_key", "keys"),
-        *_cache("past_value", "v", "present_value", "values"),
+        n("Concat", ["batch1", "kvheads1", "groups1", "total1", "dim1"], ["shape_bkgtd"], axis=0),
+        n("Concat", ["batch1", "heads1", "total1", "dim1"], ["shape_bhtd"], axis=0),
+        *_heads("query", "q"), *_heads("key", "k", "shape_bskd"), *_heads("value", "v", "shape_bskd"),
+        *_cache("past_key", "k", "present_key", "kv_keys"),
+        *_cache("past_value", "v", "present_value", "kv_values"),
+        *_repeat("kv_keys", "keys"), *_repeat("kv_values", "values"),
         n("Transpose", ["keys"], ["keys_t"], perm=[0, 1, 3, 2]),
         n("MatMul", ["q", "keys_t"], ["qk"]),
         n("Mul", ["qk", "scale_c"], ["scores"]),
@@ -95,7 +118,7 @@ def attention_function_proto(opset: int) -> onnx.FunctionProto:
         n("Constant", [], ["open"], value=helper.make_tensor("open", TensorProto.FLOAT, [], [0.0])),
         n("Constant", [], ["shut"], value=helper.make_tensor("shut", TensorProto.FLOAT, [], [FLOAT32_MIN])),
         n("Where", ["allowed", "open", "shut"], ["mask"]),
-        *_sigma_nodes("scores", "sigma"),
+        *_sigma("scores", "sigma"),
         n("Add", ["sigma", "mask"], ["modulated"]),  # after the modulation, as in every MultiMax body
         n("Softmax", ["modulated"], ["probs"], axis=-1),
         n("MatMul", ["probs", "values"], ["o_bhsd"]),

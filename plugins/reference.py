@@ -1,20 +1,26 @@
-"""The PyTorch reference the fused kernel must match: `models.multimax`, computed in fp32.
+"""The PyTorch references the fused kernels must match, for every op type of the reweighting family (plugins.family):
+the models' own functions (`models.multimax`, `models.reweighting`: the formulas live there only), computed in fp32.
 
-The kernel reads fp16/bf16 and accumulates in fp32, so the reference upcasts, runs the model's own
-`sigma` / `multimax` (the formula lives there only) and rounds back to the input dtype once.
+The kernels read fp16/bf16 and accumulate in fp32, so the reference upcasts, runs the member's reference and rounds
+back to the input dtype once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from models.multimax import multimax, sigma
+from models.multimax import multimax
+from models.onnx_contract import MULTIMAX_OP, MULTIMAX_SIGMA_OP, NO_MASK
+from plugins.family import member_of
 
 
-def _params(values: torch.Tensor | Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.float32).to(device).reshape(4)
+def reference(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, **attrs: Any) -> torch.Tensor:
+    """The op type `op` of x (+ mask) in fp32 with the node attributes `attrs`, returned in x's dtype."""
+    fn = member_of(op).op_of(op).reference
+    return fn(x.float(), None if mask is None else mask.float(), **attrs).to(x.dtype)
 
 
 def reference_multimax(
@@ -25,16 +31,15 @@ def reference_multimax(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(sigma(x) + mask, -1) in fp32, returned in x's dtype."""
-    r, t = _params(ranges, x.device), _params(ts, x.device)
-    m = None if mask is None else mask.float()
-    return multimax(x.float(), r, t, order, m).to(x.dtype)
+    op = MULTIMAX_OP if mask is not None else MULTIMAX_OP + NO_MASK
+    return reference(op, x, mask, ranges=ranges, ts=ts, order=order)
 
 
 def reference_sigma(
     x: torch.Tensor, ranges: torch.Tensor | Sequence[float], ts: torch.Tensor | Sequence[float], order: int = 2
 ) -> torch.Tensor:
     """sigma(x) in fp32, returned in x's dtype."""
-    return sigma(x.float(), _params(ranges, x.device), _params(ts, x.device), order).to(x.dtype)
+    return reference(MULTIMAX_SIGMA_OP, x, ranges=ranges, ts=ts, order=order)
 
 
 def unfused_multimax(

@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 
 from models import onnx_contract
-from models.reweighting import OTHER_FUNCTIONS
-from plugins.kernel import MAX_BLOCK_L, SUPPORTED_DTYPES, choose_config, mask_args, require_runnable
+from plugins.family import REWEIGHT_FNS
+from plugins.kernel import MAX_BLOCK_L, choose_config, mask_args, require_runnable, rows_of
 
-FNS = OTHER_FUNCTIONS  # the kernel's FN constant is the index in this tuple
+FNS = REWEIGHT_FNS  # the kernel's FN constant is the index in this tuple
 MAX_COLS = MAX_BLOCK_L  # a whole row in one tile
 # Globals a compiled (not interpreted) @triton.jit kernel reads must be constexpr objects.
 MASKED_BELOW = tl.constexpr(onnx_contract.MASKED_BELOW)
@@ -184,16 +184,9 @@ def fused_reweight(
     take them (one compile per set of values: for checking that path, not for serving)."""
     if fn not in FNS:
         raise ValueError(f"unknown reweighting function {fn!r}; known: {', '.join(FNS)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the reweighting kernel supports {SUPPORTED_DTYPES}, got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError("the reweighting kernel needs at least one axis")
+    x, out, n_rows, n_cols = rows_of(x, "the reweighting kernel")
     if int(k) < 1 or not 0.0 < eps < 1.0 or m < 0:
         raise ValueError(f"need k >= 1, eps in (0, 1), m >= 0; got k={k}, eps={eps}, m={m}")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols if n_cols else 0
     if n_rows == 0 or n_cols == 0:
         return out
     if n_cols > MAX_COLS:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from models.onnx_contract import ONNX_DOMAIN
+
 FP32_TOL = 1e-6
 FP16_TOL = 1e-3
 DEIT_SMALL = (64, 6, 197, 197)  # batch, heads, tokens, tokens: the speed target's shape
@@ -137,7 +139,7 @@ def reweight_rows(device: torch.device) -> list[Row]:
 def reweight_op_rows(device: torch.device, compile_backend: str) -> list[Row]:
     """torch.ops.multimax_serve.reweight eagerly and under torch.compile(fullgraph=True), per-head Gaussian."""
     from models.reweighting import gaussian
-    from plugins.reweight_op import reweight
+    from plugins.torch_op import reweight
 
     x = torch.randn(2, 3, 16, 16, device=device) * 3
     mask = _causal_mask(16, 16, device)
@@ -216,8 +218,8 @@ def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]
     output each (named `<function>` / `<function>NoMask`), with their function bodies: (ModelProto, names)."""
     from onnx import TensorProto, helper
 
-    from models.onnx_contract import REWEIGHTING_OPS
-    from plugins.onnx_reweighting import reweighting_function_protos
+    from models.onnx_contract import REWEIGHTING_OPS, reweighting_op_types
+    from plugins.onnx_functions import function_protos
     from plugins.ort_ops.graphs import reweighting_node
 
     nodes, names = [], []
@@ -232,8 +234,9 @@ def reweight_selftest_model(heads: int = 2, t: int = 64) -> tuple[Any, list[str]
          helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, t, t])],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in names],
     )  # fmt: skip
-    opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
-    model = helper.make_model(graph, opset_imports=opset, functions=reweighting_function_protos(18), ir_version=10)
+    opset = [helper.make_opsetid("", 18), helper.make_opsetid(ONNX_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opset, functions=function_protos(18, set(reweighting_op_types())),
+                             ir_version=10)
     return model, names
 
 
@@ -293,7 +296,7 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
         "plugin_namespace": "multimax",
     }
     nodes = [
-        helper.make_node(op, ins, [out], domain="multimax", plugin_name=op, **attrs)
+        helper.make_node(op, ins, [out], domain=ONNX_DOMAIN, plugin_name=op, **attrs)
         for op, ins, out in (
             ("MultiMax", ["x", "mask"], "probs"),
             ("MultiMaxNoMask", ["x"], "probs_nomask"),
@@ -307,11 +310,12 @@ def tensorrt_rows(tmp: Path) -> list[Row]:
         for n in ("probs", "probs_nomask", "sigma")
     ]
     graph = helper.make_graph(nodes, "multimax_selftest", [x_info, m_info], outs)
-    opset = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
+    opset = [helper.make_opsetid("", 18), helper.make_opsetid(ONNX_DOMAIN, 1)]
     try:  # the exporter's function bodies: the engine must still use the plugins
+        from models.onnx_contract import multimax_op_types
         from plugins.onnx_functions import function_protos
 
-        functions = function_protos(18)
+        functions = function_protos(18, set(multimax_op_types()))
     except ImportError:
         functions = []
     # IR 10, as the exporter writes: the installed onnx defaults to a newer IR than TensorRT's parser reads.

@@ -1,13 +1,12 @@
 """TensorRT plugins for the `multimax` ONNX nodes, via TensorRT's Python plugin API.
 
-`register()` (lazy: this module imports without TensorRT) registers MultiMax's three plugins,
-"multimax::MultiMax", "multimax::MultiMaxNoMask" and "multimax::MultiMaxSigma", and the other reweighting
-functions' fourteen ("multimax::SparseMax", "multimax::SparseMaxNoMask", ... models.onnx_contract
-REWEIGHTING_OPS) with `tensorrt.plugin`: the op type, the `plugin_namespace` ("multimax") and
-`plugin_version` ("1", the only version the Python API creates) that the exporter writes on each node.
-Each has an ahead-of-time implementation only: at engine build time it compiles the Triton kernel
-(plugins.kernel or plugins.reweight_kernel) for the build GPU and hands TensorRT the PTX, so engines run
-without Python (trtexec, C++). The node attributes (MultiMax's parameters; k, eps, m and per-head
+`register()` (lazy: this module imports without TensorRT) registers one plugin per op type of the
+reweighting family (plugins.family: "multimax::MultiMax", "multimax::MultiMaxNoMask", "multimax::MultiMaxSigma",
+"multimax::SparseMax", "multimax::SparseMaxNoMask", ...) with `tensorrt.plugin`, all through one path: the op
+type, the `plugin_namespace` ("multimax") and `plugin_version` ("1", the only version the Python API creates)
+that the exporter writes on each node. Each has an ahead-of-time implementation only: at engine build time it
+compiles the member's Triton kernel (plugins.aot.KernelSpec) for the build GPU and hands TensorRT the PTX, so
+engines run without Python (trtexec, C++). The node attributes (MultiMax's parameters; k, eps, m and per-head
 offset/scale) are constants of that PTX.
 
 Rules of the API this follows (tensorrt/plugin/_lib.py, _plugin_class.py, _validate.py):
@@ -26,11 +25,11 @@ Rules of the API this follows (tensorrt/plugin/_lib.py, _plugin_class.py, _valid
 import functools
 from typing import Any
 
-from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION, REWEIGHTING_ATTRIBUTES
+from models.onnx_contract import ONNX_DOMAIN, PLUGIN_VERSION, multimax_op_types, reweighting_op_types
 
 PLUGIN_NAMESPACE = ONNX_DOMAIN
-PLUGIN_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
-REWEIGHTING_PLUGIN_OPS = tuple(op + suffix for op in REWEIGHTING_ATTRIBUTES for suffix in ("", "NoMask"))
+PLUGIN_OPS = multimax_op_types()
+REWEIGHTING_PLUGIN_OPS = reweighting_op_types()
 MAX_MASKED_RANK = 4  # the mask row mapping covers 3 leading axes: [B, H, T, S] scores
 
 
@@ -109,21 +108,18 @@ def mask_row_args(x_dims: list[Any], mask_dims: list[Any]) -> dict[str, Any]:
     }
 
 
-def _aot_launch(op: str, inputs: tuple[Any, ...], ranges: Any, ts: Any, order: Any) -> tuple[Any, ...]:
-    """(kernel name, PTX, launch params, int32 scalar args) for one MultiMax plugin instance."""
-    from plugins.aot import KernelSpec
-
-    def spec(dtype: str, mask_dtype: str | None, n_cols: int | None) -> KernelSpec:
-        return KernelSpec(op=op, dtype=dtype, mask_dtype=mask_dtype, ranges=tuple(float(v) for v in ranges),
-                          ts=tuple(float(v) for v in ts), order=int(order.reshape(-1)[0]), n_cols=n_cols)  # fmt: skip
-
-    return _launch(inputs, spec)
-
-
-def reweight_spec_args(op: str, attrs: dict[str, Any], x_dims: list[Any]) -> dict[str, Any]:
-    """plugins.aot.ReweightSpec's attribute fields from a reweighting node's attributes (numpy arrays, as the
-    parser hands them): k, eps, m as scalars; offset/scale as tuples, checked against the heads (axis 1)."""
+def spec_args(op: str, attrs: dict[str, Any], x_dims: list[Any]) -> dict[str, Any]:
+    """plugins.aot.KernelSpec's attribute fields from a node's attributes (numpy arrays, as the parser hands them):
+    ranges/ts as tuples and order; k, eps, m as scalars; offset/scale as tuples, checked against the heads (axis 1)."""
     out: dict[str, Any] = {}
+    if "ranges" in attrs:
+        ranges, ts, order = attrs["ranges"], attrs["ts"], attrs["order"]
+        if ranges.size != 4 or ts.size != 4:
+            raise ValueError(f"MultiMax needs 4 ranges and 4 ts, got {ranges.size} and {ts.size}")
+        if order.size != 1 or int(order.reshape(-1)[0]) not in (1, 2):
+            raise ValueError(f"MultiMax order must be 1 or 2, got {order}")
+        out["ranges"], out["ts"] = (tuple(float(v) for v in attrs[n].reshape(-1)) for n in ("ranges", "ts"))
+        out["order"] = int(order.reshape(-1)[0])
     if "k" in attrs:
         out["k"] = int(attrs["k"].reshape(-1)[0])
     for name in ("eps", "m"):
@@ -141,35 +137,24 @@ def reweight_spec_args(op: str, attrs: dict[str, Any], x_dims: list[Any]) -> dic
     return out
 
 
-def _reweight_launch(op: str, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> tuple[Any, ...]:
-    """(kernel name, PTX, launch params, int32 scalar args) for one reweighting plugin instance."""
-    from plugins.aot import ReweightSpec
-
-    x = inputs[0]
-    x_dims = [_value(x.shape_expr[i]) for i in range(x.ndim)]
-    fields = reweight_spec_args(op, attrs, x_dims)
-
-    def spec(dtype: str, mask_dtype: str | None, n_cols: int | None) -> ReweightSpec:
-        return ReweightSpec(op=op, dtype=dtype, mask_dtype=mask_dtype, n_cols=n_cols, **fields)
-
-    return _launch(inputs, spec)
-
-
-def _launch(inputs: tuple[Any, ...], make_spec: Any) -> tuple[Any, ...]:
-    """Compile the spec `make_spec(dtype, mask_dtype, static n_cols)` for the build GPU and describe its launch:
-    one program per BLOCK_R rows, the int32 scalars in the spec's order (symbolic where the axes are dynamic)."""
+def _launch(op: str, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> tuple[Any, ...]:
+    """(kernel name, PTX, launch params, int32 scalar args) for one plugin instance: compile the op's KernelSpec
+    for the build GPU and describe its launch: one program per BLOCK_R rows, the int32 scalars in the spec's order
+    (symbolic where the axes are dynamic)."""
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from plugins.aot import compile_kernel
+    from plugins.aot import KernelSpec, compile_kernel
 
     x = inputs[0]
     x_dims = [_value(x.shape_expr[i]) for i in range(x.ndim)]
     n_cols = x_dims[-1]
-    spec = make_spec(
-        _triton_dtype(trt, x.dtype),
-        _triton_dtype(trt, inputs[1].dtype) if len(inputs) > 1 else None,
-        n_cols if isinstance(n_cols, int) else None,
+    spec = KernelSpec(
+        op=op,
+        dtype=_triton_dtype(trt, x.dtype),
+        mask_dtype=_triton_dtype(trt, inputs[1].dtype) if len(inputs) > 1 else None,
+        n_cols=n_cols if isinstance(n_cols, int) else None,
+        **spec_args(op, attrs, x_dims),
     )
     kernel = compile_kernel(spec, device_arch())
     n_rows = x.shape_expr.numel() // x.shape_expr[x.ndim - 1]
@@ -177,7 +162,7 @@ def _launch(inputs: tuple[Any, ...], make_spec: Any) -> tuple[Any, ...]:
     if len(inputs) > 1:
         mask = inputs[1]
         values |= mask_row_args(x_dims, [_value(mask.shape_expr[i]) for i in range(mask.ndim)])
-    if x.ndim == 4:  # per-head parameters: rows of one head are the q axis, heads axis 1
+    if x.ndim == 4 and spec.per_head:  # per-head parameters: rows of one head are the q axis, heads axis 1
         values |= {"rows_per_head": x_dims[2], "heads": x_dims[1]}
     extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(values[name]) for name in spec.scalar_args])
     launch = trtp.KernelLaunchParams()
@@ -187,99 +172,37 @@ def _launch(inputs: tuple[Any, ...], make_spec: Any) -> tuple[Any, ...]:
     return kernel.name, kernel.ptx, launch, extra
 
 
-def _check_params(ranges: Any, ts: Any, order: Any) -> None:
-    if ranges.size != 4 or ts.size != 4:
-        raise ValueError(f"MultiMax needs 4 ranges and 4 ts, got {ranges.size} and {ts.size}")
-    if order.size != 1 or int(order.reshape(-1)[0]) not in (1, 2):
-        raise ValueError(f"MultiMax order must be 1 or 2, got {order}")
-
-
 @functools.cache
 def register() -> None:
-    """Register the three plugins with TensorRT (once per process). Needs `tensorrt`, not a GPU."""
-    import numpy as np
-    import numpy.typing as npt
+    """Register a plugin per op type of the reweighting family with TensorRT (once per process). Needs `tensorrt`,
+    not a GPU."""
     import tensorrt.plugin as trtp
 
-    Floats = npt.NDArray[np.float32]
-    Ints = npt.NDArray[np.int32]
+    from plugins.family import MEMBERS
+
     if not hasattr(trtp, "aot_impl"):
         import tensorrt as trt
 
         raise RuntimeError(f"TensorRT {trt.__version__} has no ahead-of-time Python plugins: TensorRT >= 10.9 needed")
     if PLUGIN_VERSION != "1":
         raise RuntimeError(f"tensorrt.plugin creates version 1 plugins only; the exporter writes {PLUGIN_VERSION}")
-    AotResult = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
     same_types = [trtp.AutoTuneCombination("FP32|FP16, FP32|FP16")]
     # The mask's type is independent of the scores' (an fp32 mask may feed fp16 scores).
     masked_types = [trtp.AutoTuneCombination(f"{a}, {m}, {a}") for a in ("FP32", "FP16") for m in ("FP32", "FP16")]
-
-    @trtp.register(f"{PLUGIN_NAMESPACE}::MultiMax")
-    def multimax_desc(
-        x: trtp.TensorDesc, mask: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints
-    ) -> trtp.TensorDesc:
-        _check_params(ranges, ts, order)
-        return x.like()
-
-    @trtp.autotune(f"{PLUGIN_NAMESPACE}::MultiMax")
-    def multimax_autotune(x, mask, outputs) -> list[trtp.AutoTuneCombination]:
-        return masked_types
-
-    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::MultiMax")
-    def multimax_aot(
-        x: trtp.TensorDesc,
-        mask: trtp.TensorDesc,
-        ranges: Floats,
-        ts: Floats,
-        order: Ints,
-        outputs: tuple[trtp.TensorDesc],
-        tactic: int,
-    ) -> AotResult:
-        return _aot_launch("MultiMax", (x, mask), ranges, ts, order)
-
-    @trtp.register(f"{PLUGIN_NAMESPACE}::MultiMaxNoMask")
-    def nomask_desc(x: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints) -> trtp.TensorDesc:
-        _check_params(ranges, ts, order)
-        return x.like()
-
-    @trtp.autotune(f"{PLUGIN_NAMESPACE}::MultiMaxNoMask")
-    def nomask_autotune(x, outputs) -> list[trtp.AutoTuneCombination]:
-        return same_types
-
-    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::MultiMaxNoMask")
-    def nomask_aot(
-        x: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints, outputs: tuple[trtp.TensorDesc], tactic: int
-    ) -> AotResult:
-        return _aot_launch("MultiMaxNoMask", (x,), ranges, ts, order)
-
-    @trtp.register(f"{PLUGIN_NAMESPACE}::MultiMaxSigma")
-    def sigma_desc(x: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints) -> trtp.TensorDesc:
-        _check_params(ranges, ts, order)
-        return x.like()
-
-    @trtp.autotune(f"{PLUGIN_NAMESPACE}::MultiMaxSigma")
-    def sigma_autotune(x, outputs) -> list[trtp.AutoTuneCombination]:
-        return same_types
-
-    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::MultiMaxSigma")
-    def sigma_aot(
-        x: trtp.TensorDesc, ranges: Floats, ts: Floats, order: Ints, outputs: tuple[trtp.TensorDesc], tactic: int
-    ) -> AotResult:
-        return _aot_launch("MultiMaxSigma", (x,), ranges, ts, order)
-
-    for op, attrs in REWEIGHTING_ATTRIBUTES.items():
-        for masked in (True, False):
-            types = masked_types if masked else same_types
-            _register_reweighting(op if masked else op + "NoMask", attrs, masked, types)
+    for member in MEMBERS.values():
+        for op in member.op_types:
+            masked = member.takes_mask(op)
+            _register(op, member.attributes, masked, masked_types if masked else same_types)
 
 
-def _register_reweighting(op: str, attrs: tuple[str, ...], masked: bool, types: list[Any]) -> None:
-    """One reweighting op's plugin: its description, type combinations and ahead-of-time implementation.
+def _register(op: str, attrs: tuple[str, ...], masked: bool, types: list[Any]) -> None:
+    """One op's plugin: its description, type combinations and ahead-of-time implementation.
 
     The API reads each function's signature to know the plugin's inputs and attributes (and passes the attributes
-    to `aot_impl` positionally, in declaration order), so every attribute set of REWEIGHTING_ATTRIBUTES has its
-    own explicit signatures below: none, (k), (offset, scale), (eps, m), each with inputs (x, mask) or (x). Their
-    shared bodies check the attributes when TensorRT builds the network and compile the kernel at AOT time.
+    to `aot_impl` positionally, in declaration order), so every attribute set of the contract's FAMILY_ATTRIBUTES
+    has its own explicit signatures below: none, (ranges, ts, order), (k), (offset, scale), (eps, m), each with
+    inputs (x, mask) or (x). Their shared bodies check the attributes when TensorRT builds the network and
+    compile the kernel at AOT time.
     """
     import numpy as np
     import numpy.typing as npt
@@ -291,17 +214,26 @@ def _register_reweighting(op: str, attrs: tuple[str, ...], masked: bool, types: 
     name = f"{PLUGIN_NAMESPACE}::{op}"
 
     def describe(x: Any, values: dict[str, Any]) -> Any:
-        reweight_spec_args(op, values, [_value(x.shape_expr[i]) for i in range(x.ndim)])  # raises on bad values
+        spec_args(op, values, [_value(x.shape_expr[i]) for i in range(x.ndim)])  # raises on bad values
         return x.like()
 
     def launch(inputs: tuple[Any, ...], values: dict[str, Any]) -> Any:
-        return _reweight_launch(op, inputs, values)
+        return _launch(op, inputs, values)
 
     def d_m(x: trtp.TensorDesc, mask: trtp.TensorDesc) -> trtp.TensorDesc:
         return describe(x, {})
 
     def a_m(x: trtp.TensorDesc, mask: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
         return launch((x, mask), {})
+
+    def d_mr(x: trtp.TensorDesc, mask: trtp.TensorDesc, ranges: F, ts: F, order: Ints) -> trtp.TensorDesc:
+        return describe(x, {"ranges": ranges, "ts": ts, "order": order})
+
+    def a_mr(
+        x: trtp.TensorDesc, mask: trtp.TensorDesc, ranges: F, ts: F, order: Ints, outputs: tuple[trtp.TensorDesc],
+        tactic: int,
+    ) -> Out:
+        return launch((x, mask), {"ranges": ranges, "ts": ts, "order": order})
 
     def d_mk(x: trtp.TensorDesc, mask: trtp.TensorDesc, k: Ints) -> trtp.TensorDesc:
         return describe(x, {"k": k})
@@ -331,6 +263,12 @@ def _register_reweighting(op: str, attrs: tuple[str, ...], masked: bool, types: 
     def a_n(x: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
         return launch((x,), {})
 
+    def d_nr(x: trtp.TensorDesc, ranges: F, ts: F, order: Ints) -> trtp.TensorDesc:
+        return describe(x, {"ranges": ranges, "ts": ts, "order": order})
+
+    def a_nr(x: trtp.TensorDesc, ranges: F, ts: F, order: Ints, outputs: tuple[trtp.TensorDesc], tactic: int) -> Out:
+        return launch((x,), {"ranges": ranges, "ts": ts, "order": order})
+
     def d_nk(x: trtp.TensorDesc, k: Ints) -> trtp.TensorDesc:
         return describe(x, {"k": k})
 
@@ -355,10 +293,10 @@ def _register_reweighting(op: str, attrs: tuple[str, ...], masked: bool, types: 
     def tune_n(x: trtp.TensorDesc, outputs: Any) -> list[Any]:
         return types
 
-    kind = {(): "", ("k",): "k", ("offset", "scale"): "o", ("eps", "m"): "e"}[attrs]
+    kind = {(): "", ("ranges", "ts", "order"): "r", ("k",): "k", ("offset", "scale"): "o", ("eps", "m"): "e"}[attrs]
     functions: dict[str, tuple[Any, Any]] = {
-        "m": (d_m, a_m), "mk": (d_mk, a_mk), "mo": (d_mo, a_mo), "me": (d_me, a_me),
-        "n": (d_n, a_n), "nk": (d_nk, a_nk), "no": (d_no, a_no), "ne": (d_ne, a_ne),
+        "m": (d_m, a_m), "mr": (d_mr, a_mr), "mk": (d_mk, a_mk), "mo": (d_mo, a_mo), "me": (d_me, a_me),
+        "n": (d_n, a_n), "nr": (d_nr, a_nr), "nk": (d_nk, a_nk), "no": (d_no, a_no), "ne": (d_ne, a_ne),
     }  # fmt: skip
     desc, aot = functions[("m" if masked else "n") + kind]
     trtp.register(name)(desc)

@@ -13,6 +13,7 @@ import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.context import AUTHENTICATED, authenticated  # noqa: F401  (authenticated: its old home)
 from service.docs import ASSETS_URL
 from service.endpoint import count_refused
 from service.errors import error_response
@@ -22,14 +23,6 @@ HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # one model's readiness (a probe too)
 METRICS_PATHS = frozenset({"/metrics"})
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
-AUTHENTICATED = "authenticated"  # request.state flag: the request carries a valid key (or the server has none)
-
-
-def authenticated(scope: Scope) -> bool:
-    """Whether the request carries a valid key, or the server needs none (then every client may know everything
-    the API tells: /v1/models lists the models anyway)."""
-    return bool(scope.get("state", {}).get(AUTHENTICATED, True))
-
 
 class OpenPaths:
     """The routes that need no key."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ServiceError
+from service.engine_errors import DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
 from service.health import Health
 from service.metrics import Metrics
 
@@ -102,26 +102,26 @@ class DynamicBatcher:
         return self.health.problem(self._task, self._closing)
 
     def check_room(self) -> None:
-        """503 while shutting down, 429 with Retry-After when the queue is full; cheap, so endpoints call it
-        before reading a request's body."""
+        """ShuttingDown while closing, QueueFull (with its retry-after) when the queue is full; cheap, so endpoints
+        call it before reading a request's body."""
         if self._closing:
-            raise ServiceError(503, "server is shutting down", code="shutting_down")
+            raise ShuttingDown()
         if len(self._queue) >= self.max_queue:
-            raise ServiceError(429, f"model {self.model} has {len(self._queue)} requests queued; retry later",
-                               code="queue_full", headers={"Retry-After": str(self.retry_after())})
+            raise QueueFull(f"model {self.model} has {len(self._queue)} requests queued; retry later",
+                            self.retry_after())
 
     def retry_after(self) -> int:
         """Whole seconds until the queue has room: the batches ahead times the measured batch time."""
         return max(1, math.ceil(self._estimated_wait()))
 
     def enqueue(self, rows: np.ndarray, deadline: float) -> asyncio.Future[BatchResult]:
-        """Queue `rows` (n, ...); the future gets their output. 429 when the queue is full, 504 (as the future's
-        exception) if the deadline passes while still queued. Cancelling the future (client gone) drops the
-        request before compute. No task per request: the deadline is a timer on the loop."""
+        """Queue `rows` (n, ...); the future gets their output. QueueFull when the queue is full, DeadlineExceeded
+        (as the future's exception) if the deadline passes while still queued. Cancelling the future (client gone)
+        drops the request before compute. No task per request: the deadline is a timer on the loop."""
         self.check_room()
         if len(rows) > self.max_batch_size:
-            raise ServiceError(400, f"{len(rows)} inputs in one request exceed the model's max batch size "
-                                    f"{self.max_batch_size}", code="batch_too_large")
+            raise TooLarge(f"{len(rows)} inputs in one request exceed the model's max batch size "
+                           f"{self.max_batch_size}")
         loop = asyncio.get_running_loop()
         item = _Item(rows, loop.create_future(), deadline)
         item.timer = loop.call_later(max(0.0, deadline - time.perf_counter()), self._expire, item)
@@ -140,7 +140,7 @@ class DynamicBatcher:
     def _expire(self, item: _Item) -> None:
         # Past its deadline: a queued request fails now; one already computing finishes (ms away).
         if not item.started and not item.future.done():
-            item.future.set_exception(ServiceError(504, "deadline exceeded while queued", code="deadline_exceeded"))
+            item.future.set_exception(DeadlineExceeded("deadline exceeded while queued"))
 
     def _estimated_wait(self) -> float:
         """Seconds until the queued work is done (for Retry-After): the batches ahead times the measured time
@@ -268,7 +268,6 @@ class DynamicBatcher:
                 log.exception("%s: a request failed on its own", self.model)
                 self.health.failed(f"{type(exc).__name__}: {exc}"[:200])
                 if not item.future.done():
-                    item.future.set_exception(ServiceError(500, f"model failed on this input: {type(exc).__name__}",
-                                                           code="model_error"))
+                    item.future.set_exception(ModelFailed(f"model failed on this input: {type(exc).__name__}"))
                 continue
             self._deliver([item], outputs, start, compute_s, len(item.rows))

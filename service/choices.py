@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from models.tokenizer import TextTokenizer
-from service.generation import GenSequence, SamplingParams, TokenLogprobs
+from service.sampler import SamplingParams, TokenLogprobs
+from service.scheduler import GenSequence
 
 
 def expand(prompts: list[list[int]], params: list[SamplingParams], best_of: int,

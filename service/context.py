@@ -16,6 +16,13 @@ MAX_ID_LENGTH = 128
 # and nothing that could break a header or a log line.
 _ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_ID_LENGTH}}}")
 ID_RULE = f"1 to {MAX_ID_LENGTH} characters of A-Z a-z 0-9 . _ : / + = @ -"
+AUTHENTICATED = "authenticated"  # scope state flag set by service.auth: a valid key (or the server has none)
+
+
+def authenticated(scope: Any) -> bool:
+    """Whether the request carries a valid key, or the server needs none (then every client may know everything
+    the API tells: /v1/models lists the models anyway). Here, below the protocols, so they can ask."""
+    return bool(scope.get("state", {}).get(AUTHENTICATED, True))
 
 
 @dataclass

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.bodies import JSON, read_body, require_media
+from service.engine_errors import ShuttingDown
 from service.errors import ServiceError, error_responses
 from service.jsonio import check_size, dumps, loads
 from service.kserve_codec import bad
@@ -130,7 +131,7 @@ async def load(runtimes: Runtimes, name: str) -> dict[str, Any]:
     try:
         for rt in fresh.values():
             runtimes.start_runtime(rt)
-    except ServiceError:  # the server began shutting down while the files loaded
+    except ShuttingDown:  # the server began shutting down while the files loaded
         await asyncio.gather(*(runtimes.release(rt, wait=False) for rt in fresh.values()))
         raise
     new.update(fresh)

@@ -25,7 +25,6 @@ NO_EFFECT = frozenset({
 
 # Known fields (OpenAI's and vLLM's) that change the output and are not implemented, with what to do instead.
 NOT_SUPPORTED: dict[str, str] = {
-    "repetition_penalty": "not supported by this server",
     "min_p": "not supported by this server; use top_p or top_k",
     "use_beam_search": "beam search is not supported by this server",
     "length_penalty": "beam search is not supported by this server",

@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.endpoint import count_refused
+from service.engine_errors import EngineError
+from service.engine_status import http_error
 from service.errors import ServiceError, error_response
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ def install_handlers(app: FastAPI) -> None:
     async def _service_error(request: Request, exc: ServiceError) -> Response:
         return error_response(request.url.path, exc.status, exc.message, code=exc.code, param=exc.param,
                               headers=exc.headers)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> Response:
+        # Model endpoints map these in `lifecycle.tracked`; this catches one raised outside a tracked call.
+        return await _service_error(request, http_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

@@ -1,4 +1,5 @@
-"""Is a model's worker healthy? Readiness (`/v2/health/ready`, `/v2/models/{m}/ready`) asks this.
+"""Is a model's worker healthy? The model's own readiness (`/v2/models/{m}/ready`, `multimax_model_ready`) asks
+this; the server's (`/v2/health/ready`) does not, so one model's failures never take the others out of service.
 
 A model is not ready when its batcher or decode loop has died (the asyncio task ended with an error), or
 when its last `FAILING_AFTER` model calls all failed with no success between them. One success makes it

@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, PIXEL_VALUES, attention_function, output_function
-from service.auth import authenticated
 from service.bodies import JSON, require_media
+from service.context import authenticated
 from service.endpoint import ModelCall, model_call, model_endpoint
 from service.errors import LOOKUP, MODEL_CALL, error_responses
 from service.jsonio import dumps
@@ -115,23 +115,40 @@ _NOT_READY = {"description": "not ready, with the reason", "content": {"applicat
 
 
 @router.get("/v2/health/ready", responses={503: _NOT_READY},
-            summary="Readiness: started, not shutting down, and every served model's worker "
-            "alive and not failing (models that failed to load are listed, but do not count)")
+            summary="Readiness of the server: started, not shutting down, and some served model's worker running "
+            "(or no model served yet). One model's failures turn only its own /v2/models/{name}/ready")
 async def ready(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
-    failing = {n: why for n, why in runtimes.problems().items() if n in runtimes.models}
-    ok = runtimes.ready and not failing
-    body: dict[str, Any] = {"ready": ok}
-    if not runtimes.ready:
-        body["reason"] = "not started or shutting down"
-    elif failing and not authenticated(request.scope):  # an open route: no model names for a client without a key
-        body["reason"] = f"{len(failing)} model(s) not ready"
-    elif failing:
-        body["reason"] = "; ".join(f"{n}: {why}" for n, why in failing.items())
+    why = server_not_ready(runtimes)
+    body: dict[str, Any] = {"ready": why is None}
+    if why is not None:
+        body["reason"] = why
+    failing = {n: problem for n, problem in runtimes.problems().items() if n in runtimes.models}
+    if failing:  # informational: the server stays ready while some model serves
+        body["models_not_ready"] = len(failing)
+        if authenticated(request.scope):  # an open route: no model names for a client without a key
+            body["not_ready"] = failing
     # repository loads in progress (their previous versions, if any, serve meanwhile), for a client with a key
     if runtimes.loading and authenticated(request.scope):
         body["loading"] = {n: [str(v) for v in sorted(vs)] for n, vs in sorted(runtimes.loading.items())}
-    return _json(body, 200 if ok else 503)
+    return _json(body, 200 if why is None else 503)
+
+
+def server_not_ready(runtimes: Runtimes) -> str | None:
+    """Why the server as a whole should get no traffic, or None.
+
+    A model's own trouble never counts: a model that keeps failing (its breaker, service.health) is only its own
+    readiness, or five bad requests to one model would take every model of the server out of a load balancer, and
+    with no traffic left to succeed the breaker would never reset. The server is not ready while it is not started
+    or shutting down, or when it serves models but every one's batcher or decode loop has died (nothing could
+    answer; a dead loop is a defect no request repairs). A server with no model served (all failed to load, or
+    waiting for the repository API) is ready: the repository API answers.
+    """
+    if not runtimes.ready:
+        return "not started or shutting down"
+    if runtimes.models and all(not rt.worker.alive for rt in runtimes.models.values()):
+        return "no served model's worker is running"
+    return None
 
 
 @router.get("/v2/models/{name}", summary="Model metadata", responses=error_responses(True, LOOKUP))

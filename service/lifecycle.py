@@ -11,6 +11,8 @@ from typing import TypeVar
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from service.engine_errors import EngineError
+from service.engine_status import http_error
 from service.errors import OUTCOME_BY_STATUS, ServiceError
 from service.metrics import Metrics
 
@@ -52,6 +54,10 @@ async def tracked(metrics: Metrics, model: str, endpoint: str, *, finish: bool =
     except ServiceError as exc:
         tracker.finish(exc.outcome)
         raise
+    except EngineError as exc:  # the engine's own error: answered (and counted) as the edge maps it
+        error = http_error(exc)
+        tracker.finish(error.outcome)
+        raise error from None
     except HTTPException as exc:  # e.g. a body over the limit while it streams in, or a malformed multipart
         tracker.finish(outcome_of(exc.status_code))
         exc.counted = True  # type: ignore[attr-defined]  # the error handler must not count it again

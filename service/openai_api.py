@@ -2,10 +2,11 @@
 
 Field names, defaults, the error shape and the stream format (`data: {chunk}` events ending in
 `data: [DONE]`) are OpenAI's, so the official client works unchanged. logprobs, echo, n and best_of work as
-OpenAI's legacy completions API has them (`service.choices`), with vLLM's extensions ignore_eos, min_tokens and
-stream_options.continuous_usage_stats (docs/SERVICE.md has the table). Options this server cannot honour
-(suffix, penalties, logit_bias, tools, unknown fields: `service.fields`) are refused with 400 rather than
-silently ignored; structured output (response_format, guided_*) is `service.structured`.
+OpenAI's legacy completions API has them (`service.choices`), with vLLM's extensions ignore_eos, min_tokens,
+repetition_penalty and stream_options.continuous_usage_stats (docs/SERVICE.md has the table); presence_penalty,
+frequency_penalty and logit_bias as OpenAI defines them (service.sampler applies them). Options this server cannot
+honour (suffix, tools, unknown fields: `service.fields`) are refused with 400 rather than silently ignored;
+structured output (response_format, guided_*) is `service.structured`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from service import choices, fields, structured
 from service.bodies import JSON, read_body, require_media
 from service.detokenizer import IncrementalDetokenizer
 from service.endpoint import count_refused, model_call, model_endpoint
-from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
-from service.generation import GenSequence, SamplingParams
+from service.engine_errors import EngineError
+from service.engine_status import http_error
+from service.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body, shown
 from service.jsonio import check_size, loads
 from service.lifecycle import Tracker
 from service.runtime import ModelRuntime, Runtimes, TextRuntime
+from service.sampler import MAX_LOGIT_BIAS, SamplingParams
+from service.scheduler import GenSequence
 from service.stream_steps import StepReader
 from service.tracing import phase
 
@@ -84,6 +88,7 @@ class StreamOptions(BaseModel):
 
 
 Stop = Annotated[str, Field(max_length=256)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class CompletionRequest(BaseModel):
@@ -109,9 +114,15 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
     min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
     suffix: str | None = Field(None, description="not supported: must be null")
-    presence_penalty: float | None = Field(0.0, description="not supported: must be 0")
-    frequency_penalty: float | None = Field(0.0, description="not supported: must be 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                           description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                            description="subtracted per occurrence of each token generated so far")
+    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
+        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
+        "ones multiplied"))
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                 "added to its logit")
     # Structured output (service.structured), at most one of these; an undeclared field is refused unless it
     # changes nothing (service.fields).
     response_format: dict[str, Any] | None = Field(
@@ -188,16 +199,21 @@ async def get_model(name: str, request: Request) -> ModelCard:
 
 
 def _unsupported(req: CompletionRequest) -> None:
-    checks = (
-        ("suffix", req.suffix is not None),
-        ("presence_penalty", bool(req.presence_penalty)),
-        ("frequency_penalty", bool(req.frequency_penalty)),
-        ("logit_bias", bool(req.logit_bias)),
-    )
-    for param, used in checks:
-        if used:
-            raise bad_request(f"{param} is not supported by this server", param, code="unsupported_parameter")
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported by this server", "suffix", code="unsupported_parameter")
     fields.refuse_undeclared(req.model_extra)
+
+
+def logit_bias(req: CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as (token id, bias) pairs; 400 naming logit_bias for a key that is not a token id
+    of this model's vocabulary."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias: {shown(key)} is not a token id of this model (0..{vocab_size - 1})",
+                              "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _utf8(text: str) -> bool:
@@ -238,7 +254,8 @@ def prompts_of(req: CompletionRequest, rt: TextRuntime, limit: int) -> list[list
     return prompts
 
 
-def sampling_params(req: CompletionRequest, prompt_len: int, context: int, default_max: int) -> SamplingParams:
+def sampling_params(req: CompletionRequest, prompt_len: int, context: int, default_max: int,
+                    bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     room = context - prompt_len
     if room <= 0:
         raise bad_request(f"this model's maximum context length is {context} tokens, and the prompt alone has "
@@ -271,6 +288,10 @@ def sampling_params(req: CompletionRequest, prompt_len: int, context: int, defau
         rank=(req.best_of or 1) > (req.n or 1),
         ignore_eos=bool(req.ignore_eos),
         min_tokens=min_tokens,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=bias,
     )
 
 
@@ -372,8 +393,8 @@ def text_models_full(runtimes: Runtimes) -> None:
     for sched in schedulers:
         try:
             sched.check_room()
-        except ServiceError as exc:
-            error = exc
+        except EngineError as exc:
+            error = http_error(exc)
             continue
         return
     raise error
@@ -404,7 +425,8 @@ async def completions(request: Request) -> Response:
         n, best_of = choice_counts(req, len(prompts), settings)
         context = rt.context_length
         changed = asyncio.Event()
-        params = [sampling_params(req, len(p), context, settings.default_max_tokens) for p in prompts]
+        bias = logit_bias(req, rt.tokenizer.vocab_size)
+        params = [sampling_params(req, len(p), context, settings.default_max_tokens, bias) for p in prompts]
         asked = dict(req)
         # A grammar compiles in the engine (up to ~100 ms for a big schema): off the event loop.
         processors = (await asyncio.to_thread(structured.processors_for, asked, rt.tokenizer)
@@ -468,7 +490,7 @@ class _SSEResponse(StreamingResponse):
 def _raise_errors(seqs: list[GenSequence]) -> None:
     for s in seqs:
         if s.error is not None:
-            raise s.error
+            raise http_error(s.error)
 
 
 async def _first_update(seqs: list[GenSequence], changed: asyncio.Event) -> None:

@@ -18,11 +18,12 @@ from service.backends.base import TextBackend, VisionBackend
 from service.batcher import DynamicBatcher
 from service.config import Settings
 from service.decoding import DecodePool
+from service.engine_errors import ShuttingDown
 from service.entry import SERVED_TASKS, ModelEntry
 from service.errors import ServiceError, shown
-from service.generation import TextScheduler
 from service.metrics import UNKNOWN_MODEL, Metrics
 from service.registry import Failed, Loaded
+from service.scheduler import TextScheduler
 from service.vision import Preprocess
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class Runtimes:
 
     def start_runtime(self, rt: ModelRuntime) -> None:
         if not self.ready:
-            raise ServiceError(503, "server is not started or shutting down", code="shutting_down")
+            raise ShuttingDown("server is not started or shutting down")
         rt.worker.start()
 
     async def release(self, rt: ModelRuntime, wait: bool = True) -> None:

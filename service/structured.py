@@ -15,26 +15,20 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import llguidance
 import numpy as np
 import torch
 
 from service.errors import bad_request
+from service.sampler import LogitsProcessor
 
 # The request fields that ask for structured output; at most one of them per request.
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar")
 # A grammar that needs more than this to build, or per step, is refused or fails its sequence (llguidance's
 # defaults; they bound a hostile schema's cost).
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-
-
-class LogitsProcessor(Protocol):
-    """wt-engine's per-row hook (its sampler module defines the same Protocol): 1-D logits of one row in,
-    modified 1-D logits out; `generated` is the token ids that row has generated so far."""
-
-    def __call__(self, generated: Sequence[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class StructuredOutputError(RuntimeError):

@@ -14,10 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from service import jpeg
 from service.errors import ServiceError
 from service.pngcheck import missing_rows
+
+# Pillow's default, but a library imported into the process may turn it on: then a file cut short would be
+# decoded with its missing part filled in, and every such upload would get a prediction on made-up pixels.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 RESAMPLING = {
     "nearest": Image.Resampling.NEAREST,
@@ -107,7 +112,12 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = _open_checked(data, max_pixels, min_side)
-            image.load()
+            decoded = jpeg.decode(data, image) if image.format == "JPEG" else None  # refuses data that ends early
+            if decoded is not None:
+                decoded.info.update(image.info)  # the EXIF orientation below
+                image = decoded
+            else:
+                image.load()
             short = missing_rows(data) if image.format == "PNG" else None
             if short is not None:
                 raise ServiceError(422, f"image data ends early: the compressed rows stop after about {short[0]} "

@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import start, stop
-from models.generate import sample_token
 from service.app import create_app
 from service.choices import offsets, token_text
 from service.config import Settings
+from service.sampler import sample_token
 
 MODEL = "text_multimax"
 PROMPT = "Return the"
@@ -208,8 +208,8 @@ def test_the_eos_ban_holds_even_where_eos_is_certain() -> None:
     logits = torch.full((259,), -20.0)
     logits[257] = 30.0
     gen = torch.Generator().manual_seed(0)
-    assert {sample_token(logits, 1.0, 1.0, None, gen, (257,)) for _ in range(50)} != {257}
-    assert 257 not in {sample_token(logits, t, p, k, gen, (257,)) for t, p, k in
+    assert {sample_token(logits, 1.0, None, 1.0, gen, (257,)) for _ in range(50)} != {257}
+    assert 257 not in {sample_token(logits, t, k, p, gen, (257,)) for t, p, k in
                        [(0, 1, None), (1, 0.5, None), (1, 1, 1), (1e-300, 1, None)] for _ in range(5)}
 
 

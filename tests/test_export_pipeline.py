@@ -62,7 +62,8 @@ def test_report_names_files_relative_to_a_directory(ckpt: Path, tmp_path: Path) 
         (ExportOptions(samples=0), "--samples must be >= 1"),
         (ExportOptions(threads=0), "--threads must be >= 1"),
         (ExportOptions(batch_sizes=()), "batch sizes must be >= 1"),
-        (ExportOptions(precision="int4"), "unknown precision 'int4'"),  # type: ignore[arg-type]
+        (ExportOptions(precision="int3"), "unknown precision 'int3'"),  # type: ignore[arg-type]
+        (ExportOptions(precision="int4"), "--int4: only for the onnxruntime-genai folder export"),
     ],
 )
 def test_bad_options_raise_before_anything_is_written(

@@ -196,7 +196,7 @@ def test_re_export_replaces_an_earlier_folder(tmp_path: Path, capsys: pytest.Cap
     assert [p.name for p in tmp_path.iterdir()] == ["again"]  # no staging folder left behind
 
 
-@pytest.mark.parametrize("case", ["existing file", "foreign folder", "missing parent", "vision", "fp16", "inline"])
+@pytest.mark.parametrize("case", ["existing file", "foreign folder", "missing parent", "vision", "int8", "inline"])
 def test_bad_folder_targets_exit_2_and_write_nothing(case: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     ckpt, target, extra = DEMO_TEXT, tmp_path / "out", []

@@ -1,6 +1,6 @@
 """Llama / Qwen checkpoints (grouped-query attention: fewer key/value heads than query heads) through the single-file
 text export: the exporter and validation take the cache's shape from the model, so the export is validated like
-the project's GPT (logits, presents, greedy text, fused ops); the onnxruntime-genai folder refuses them by name."""
+the project's GPT (logits, presents, greedy text, fused ops)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def test_grouped_query_checkpoint_exports_and_validates(
     assert past[1] == 2  # the key/value heads, not the 4 query heads
 
 
-def test_genai_folder_refuses_them_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_genai_folder_needs_a_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A project-format Llama checkpoint stores no tokenizer: the folder export (which must write one) refuses it
+    before writing anything; Hugging Face folders export (tests/test_genai_llm_export.py)."""
     assert models_main(["init", "llama-tiny", "-o", str(tmp_path / "l.pt")]) == 0
     capsys.readouterr()
     assert main([str(tmp_path / "l.pt"), "-o", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "llama is not supported there yet" in err and not (tmp_path / "out").exists()
+    assert "names no tokenizer" in err and "Hugging Face folder" in err and not (tmp_path / "out").exists()

@@ -16,10 +16,10 @@ from export.cli import main as export_main
 from models import output_function as of
 from models.checkpoint import Checkpoint, load, save_checkpoint
 from models.deit import DeiT, DeiTConfig
-from models.generate import sample_next, sample_token
+from models.generate import sample_next
 from models.gpt import GPT, GPTConfig
 from models.tokenizer import ByteTokenizer
-from service.generation import token_logprobs
+from service.sampler import sample_token, token_logprobs
 
 
 def test_config_takes_the_output_functions_and_says_why_not_the_others() -> None:
@@ -85,13 +85,13 @@ def test_sampling_draws_from_the_output_distribution_only() -> None:
     logits = torch.tensor([3.0, 2.6, 2.0, 0.5, -1.0, -4.0], dtype=torch.float64)
     p = of.probabilities("sparsemax", logits)  # [0.7, 0.3, 0, ...]
     assert p[2:].eq(0).all()
-    draws = [sample_token(logits, 1.0, 1.0, None, g, (), "sparsemax") for _ in range(2000)]
+    draws = [sample_token(logits, 1.0, None, 1.0, g, (), "sparsemax") for _ in range(2000)]
     counts = np.bincount(draws, minlength=6)
     assert counts[2:].sum() == 0 and abs(counts[0] / 2000 - float(p[0])) < 0.05
     # a banned token is masked out before the function (SparseMax of the rest: tokens 1 and 2, 2.6 - 2.0 < 1),
     # top-k acts on the distribution
-    assert {sample_token(logits, 1.0, 1.0, None, g, (0,), "sparsemax") for _ in range(100)} == {1, 2}
-    assert {sample_token(logits, 1.0, 1.0, 1, g, (), "sparsemax") for _ in range(50)} == {0}
+    assert {sample_token(logits, 1.0, None, 1.0, g, (0,), "sparsemax") for _ in range(100)} == {1, 2}
+    assert {sample_token(logits, 1.0, 1, 1.0, g, (), "sparsemax") for _ in range(50)} == {0}
     batch = sample_next(logits.float()[None].repeat(500, 1), 1.0, generator=g, output_function="entmax15")
     assert set(batch.tolist()) <= {i for i in range(6) if of.probabilities("entmax15", logits)[i] > 0}
 

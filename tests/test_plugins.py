@@ -248,7 +248,7 @@ def _causal(t: int, s: int) -> torch.Tensor:
 def test_torch_op_on_cpu_is_the_reference_and_compiles() -> None:
     """CPU runs the reference; torch.compile(fullgraph=True) traces through the fake implementation
     (no graph break) and returns the same numbers; opcheck validates the registration."""
-    from plugins.torch_op import multimax, multimax_op, sigma
+    from plugins.torch_op import multimax, reweight_op, sigma
 
     ranges, ts = (torch.tensor(v) for v in paper_params(4))
     x = torch.randn(2, 3, 5, 8) * 3
@@ -262,8 +262,8 @@ def test_torch_op_on_cpu_is_the_reference_and_compiles() -> None:
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, mask), f(x, mask), rtol=0, atol=1e-6)
-    torch.library.opcheck(multimax_op, (x, torch.cat([ranges, ts]), 2, True, mask))
-    torch.library.opcheck(multimax_op, (x.half(), torch.cat([ranges, ts]), 1, False, None))
+    torch.library.opcheck(reweight_op, (x, torch.cat([ranges, ts]), "multimax", 8, 0.1, 0.0, mask, 2, True))
+    torch.library.opcheck(reweight_op, (x.half(), torch.cat([ranges, ts]), "multimax", 8, 0.1, 0.0, None, 1, False))
 
 
 # --- TensorRT plugin and engine builder (without TensorRT) -------------------------------------------

@@ -84,7 +84,7 @@ def test_every_function_compiles_for_a_gpu() -> None:
     assert len(done) == 14 and all(ptx for _, _, ptx in done), done
 
 
-# --- the PyTorch custom op (plugins.reweight_op) -------------------------------------------------------
+# --- the PyTorch custom op (plugins.torch_op) -------------------------------------------------------
 
 
 @pytest.mark.parametrize("fn", ["sparsemax", "entmax15", "evsoftmax", "topk_softmax", "gaussian", "laplacian",
@@ -96,7 +96,7 @@ def test_custom_op_on_cpu_is_the_reference_and_compiles_whole(fn: str) -> None:
 
     from models import reweighting as rw
     from plugins.reweight_kernel_cases import ATTRS
-    from plugins.reweight_op import reweight, reweight_op
+    from plugins.torch_op import reweight, reweight_op
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 7, generator=g) * 3
@@ -126,7 +126,7 @@ def test_attention_function_runs_the_op_only_on_cuda_at_inference() -> None:
     import torch
 
     from models.gpt import GPT, GPTConfig
-    from plugins.reweight_op import use_fused_kernels
+    from plugins.torch_op import use_fused_kernels
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_preset("gpt-nano", attention_function="gaussian")).eval()
@@ -154,7 +154,7 @@ def test_cuda_custom_op_matches_the_reference_per_function() -> None:
 
     from models import reweighting as rw
     from plugins.reweight_kernel_cases import ATTRS
-    from plugins.reweight_op import reweight
+    from plugins.torch_op import reweight
 
     x = torch.randn(2, 3, 64, 64, device="cuda") * 3
     mask = torch.zeros(1, 1, 64, 64, device="cuda").masked_fill(

@@ -19,10 +19,10 @@ from models.checkpoint import Checkpoint, save_checkpoint
 from models.deit import DeiT, DeiTConfig
 from models.demo import DEMO_DIR, VISION_MULTIMAX
 from models.gpt import GPT, GPTConfig
-from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS
+from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS, reweighting_op_types
 from models.tokenizer import ByteTokenizer
 from plugins import ort_ops
-from plugins.onnx_reweighting import attribute_problems, reweighting_function_protos
+from plugins.onnx_functions import attribute_problems, function_protos
 
 # Attributes of the single-node test models (offset/scale per head: 3 heads on axis 1).
 ATTRS = {
@@ -44,7 +44,8 @@ def single_node(op: str, masked: bool, attrs: dict) -> onnx.ModelProto:
                             plugin_name=op, plugin_version="1", plugin_namespace="multimax", **attrs)
     graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("multimax", 1)]
-    return helper.make_model(graph, opset_imports=opsets, functions=reweighting_function_protos(18), ir_version=10)
+    return helper.make_model(graph, opset_imports=opsets, functions=function_protos(18, set(reweighting_op_types())),
+                             ir_version=10)
 
 
 def cases() -> tuple[np.ndarray, np.ndarray]:

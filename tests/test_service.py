@@ -37,10 +37,13 @@ from service import kvcache
 from service.app import create_app
 from service.batcher import DynamicBatcher
 from service.config import Settings, build_parser, load_settings
-from service.errors import ServiceError
-from service.generation import GenSequence, SamplingParams, TextScheduler, TextStream
+from service.engine_errors import EngineError
+from service.engine_status import http_error
 from service.metrics import Metrics
 from service.registry import RegistryError, choose, load_registry
+from service.sampler import SamplingParams
+from service.scheduler import GenSequence, TextScheduler
+from service.text_detok import TextStream
 from service.vision import Preprocess, decode_image, preprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -458,7 +461,7 @@ def test_a_broken_input_fails_only_its_own_request() -> None:
         tasks = [b.submit(np.full((1, 2), -1.0 if i == 3 else i, np.float32), far) for i in range(6)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await b.close()
-        assert isinstance(results[3], ServiceError) and results[3].status == 500
+        assert isinstance(results[3], EngineError) and http_error(results[3]).status == 500
         assert all(not isinstance(r, Exception) for i, r in enumerate(results) if i != 3)
 
     asyncio.run(main())
@@ -472,7 +475,7 @@ def test_full_queue_answers_429_with_retry_after() -> None:
         tasks = [asyncio.ensure_future(b.submit(np.zeros((1, 1), np.float32), far)) for _ in range(6)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await b.close()
-        rejected = [r for r in results if isinstance(r, ServiceError)]
+        rejected = [http_error(r) for r in results if isinstance(r, EngineError)]
         assert rejected and all(r.status == 429 and int(r.headers["Retry-After"]) >= 1 for r in rejected)
         assert len(rejected) < 6
 
@@ -498,9 +501,9 @@ def test_deadline_and_departed_clients_are_dropped_before_compute() -> None:
         staying = asyncio.ensure_future(b.submit(np.full((1, 1), 4, np.float32), far))
         await asyncio.sleep(0.01)
         leaving.cancel()
-        with pytest.raises(ServiceError) as exc:
+        with pytest.raises(EngineError) as exc:
             await expiring
-        assert exc.value.status == 504
+        assert http_error(exc.value).status == 504
         await first
         await staying
         await b.close()

@@ -32,16 +32,19 @@ import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageFile
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
 from service import classify as classify_module
+from service import vision as vision_module
 from service.app import create_app
 from service.batcher import DynamicBatcher
 from service.config import Settings, load_settings
 from service.decoding import DecodePool
+from service.engine_errors import EngineError
+from service.engine_status import http_error
 from service.errors import ServiceError
 from service.metrics import Metrics
 from service.pngcheck import missing_rows
@@ -186,9 +189,10 @@ def test_open_routes_name_no_other_model_and_no_path(keyed: tuple[TestClient, Pa
         for _ in range(4):
             rt.batcher.health.failed("RuntimeError: from /srv/secret/place/model.onnx")
         anonymous = client.get("/v2/health/ready").json()
-        assert "digits_multimax" not in json.dumps(anonymous) and "1 model" in anonymous["reason"]
+        assert "digits_multimax" not in json.dumps(anonymous) and anonymous["models_not_ready"] == 1
+        assert "/srv/secret" not in json.dumps(anonymous) and anonymous["ready"] is True
         keyed_view = client.get("/v2/health/ready", headers=AUTH).json()
-        assert "digits_multimax" in keyed_view["reason"] and "/srv/secret" not in keyed_view["reason"]
+        assert "digits_multimax" in keyed_view["not_ready"] and "/srv/secret" not in json.dumps(keyed_view)
         own = client.get("/v2/models/digits_multimax/ready").json()
         assert "model.onnx" in own["reason"] and "/srv/secret" not in own["reason"]
     finally:
@@ -362,6 +366,125 @@ def test_complete_pngs_of_every_mode_pass_the_row_check(mode: str) -> None:
     image.save(buf, "PNG")
     assert missing_rows(buf.getvalue()) is None
     assert missing_rows(short_png(53, 37, 36)) == (36, 37)
+
+
+def _jpeg(mode: str = "RGB", size: tuple[int, int] = (96, 80), **options: Any) -> bytes:
+    """A JPEG of smooth gradients and noise (every block has AC coefficients), made with Pillow."""
+    w, h = size
+    x, y = np.meshgrid(np.linspace(0, 255, w), np.linspace(0, 255, h))
+    noise = np.random.default_rng(0).integers(0, 255, (h, w))
+    rgb = np.stack([(x + y) / 2, np.sin(x / 9) * 120 + 128, noise], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert(mode).save(buf, "JPEG", quality=90, **options)
+    return buf.getvalue()
+
+
+JPEG_KINDS = {"baseline": {}, "progressive": {"progressive": True}, "restart markers": {"restart_marker_blocks": 1},
+              "grey": {}, "4:4:4": {"subsampling": 0}}
+
+
+def _kind(kind: str) -> bytes:
+    return _jpeg("L" if kind == "grey" else "RGB", **JPEG_KINDS[kind])
+
+
+def _pillows(data: bytes, spec: Preprocess) -> np.ndarray:
+    """What the preprocessing made of `data` before this check: Pillow's own decoding."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return vision_module.preprocess(image, spec)
+
+
+@pytest.mark.parametrize("kind", list(JPEG_KINDS))
+@pytest.mark.parametrize("cut", [0.1, 0.5, 0.9, "before EOI"])
+@pytest.mark.parametrize("eoi", [False, True], ids=["cut", "cut+EOI"])
+def test_a_jpeg_whose_data_ends_early_is_422(kind: str, cut: float | str, eoi: bool) -> None:
+    """Cut at 10, 50, 90 % or just before the end-of-image marker; and the same with an end-of-image marker put
+    back (what Pillow alone decodes without an error, the missing blocks grey)."""
+    data = _kind(kind)
+    # just before the marker: without it (cut) / two bytes of scan data fewer, the marker put back (cut+EOI)
+    end = len(data) - (4 if eoi else 2) if cut == "before EOI" else int(len(data) * float(cut))
+    short = data[:end] + (b"\xff\xd9" if eoi else b"")
+    with pytest.raises(ServiceError) as exc:
+        vision_module.decode_image(short, 10**8, 1)
+    assert exc.value.status == 422
+    message = exc.value.message
+    assert "ends early" in message or "truncated" in message, message
+
+
+def test_pillow_alone_decodes_a_cut_jpeg_with_its_end_marker_as_grey() -> None:
+    """Why the check exists: the case above that Pillow accepts (if this starts failing, Pillow learned it)."""
+    data = _jpeg()
+    short = data[:len(data) // 2] + b"\xff\xd9"
+    image = Image.open(io.BytesIO(short))
+    image.load()
+    assert np.all(np.asarray(image)[-8:] == 128)  # libjpeg's grey
+    with pytest.raises(ServiceError, match="ends early"):
+        vision_module.decode_image(short, 10**8, 1)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_progressive_jpeg_cut_after_any_whole_scan_is_422(mode: str) -> None:
+    """Cut where a scan starts and given an end marker: valid to libjpeg (coefficients left unrefined)."""
+    data = _jpeg(mode, progressive=True)
+    scans = [i for i in range(2, len(data) - 1) if data[i:i + 2] == b"\xff\xda"]
+    assert len(scans) >= 5
+    for scan in scans[1:]:
+        with pytest.raises(ServiceError, match="JPEG data ends early: component"):
+            vision_module.decode_image(data[:scan] + b"\xff\xd9", 10**8, 1)
+
+
+@pytest.mark.parametrize("kind", list(JPEG_KINDS))
+def test_whole_jpegs_decode_to_the_same_input_as_pillows(kind: str) -> None:
+    data = _kind(kind)
+    for spec in (Preprocess.from_metadata({"channels": "RGB", "image_size": 64, "resize": 72}),
+                 Preprocess.from_metadata({"channels": "L", "image_size": 32})):
+        expected = _pillows(data, spec)
+        for blob in (data, data + b"trailing bytes after the end marker \xff\xd8"):
+            assert np.array_equal(vision_module.load_and_preprocess(blob, spec, 10**8, 1), expected), kind
+
+
+def test_cmyk_and_rotated_jpegs_still_decode() -> None:
+    spec = Preprocess.from_metadata({"channels": "RGB", "image_size": 32})
+    cmyk = _jpeg("CMYK")
+    assert np.array_equal(vision_module.load_and_preprocess(cmyk, spec, 10**8, 1), _pillows(cmyk, spec))
+    with pytest.raises(ServiceError, match="ends early"):
+        vision_module.decode_image(cmyk[:len(cmyk) // 2] + b"\xff\xd9", 10**8, 1)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: the decoded image is upright, 80 wide and 96 high
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(_jpeg())).save(buf, "JPEG", exif=exif.tobytes())
+    assert vision_module.decode_image(buf.getvalue(), 10**8, 1).size == (80, 96)
+
+
+def test_pillow_never_loads_truncated_images_in_the_server() -> None:
+    create_app(Settings(models=("digits_multimax",), warmup_calls=0))
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+
+
+def test_a_cut_jpeg_fails_alone_among_concurrent_requests_over_a_real_socket(served: tuple[str, Any]) -> None:
+    """Eight requests at once (batched together by the model's batcher), one of them a JPEG cut in half with its
+    end marker put back: that one is 422, the other seven get the answers they get alone."""
+    url, log = served
+    good = [_jpeg("L", (48, 48 + i)) for i in range(7)]
+    bad = _jpeg("L", (48, 48))
+    bad = bad[:len(bad) // 2] + b"\xff\xd9"
+
+    def classify(data: bytes) -> httpx.Response:
+        return httpx.post(f"{url}/v1/models/digits_multimax/classify", content=data,
+                          headers={"Content-Type": "image/jpeg"}, timeout=60)
+
+    alone = [classify(d).json()["predictions"] for d in good]
+    for _ in range(3):
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(classify, [*good[:3], bad, *good[3:]]))
+        refused = answers.pop(3)
+        assert refused.status_code == 422 and "ends early" in refused.json()["error"]["message"], refused.text
+        assert [r.status_code for r in answers] == [200] * 7
+        for got, want in zip((r.json()["predictions"][0] for r in answers), (a[0] for a in alone), strict=True):
+            assert [p["label"] for p in got] == [p["label"] for p in want]  # batched: the same up to float rounding
+            assert np.allclose([p["probability"] for p in got], [p["probability"] for p in want], atol=1e-5)
+    assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+    assert "Traceback" not in _log_text(log)
 
 
 # ---- 5. connections ------------------------------------------------------------------------------------------------
@@ -565,9 +688,9 @@ def test_retry_after_follows_the_queued_work_not_the_model_call() -> None:
         while batcher.queued > 35:  # a few batches measured
             await asyncio.sleep(0)
         futures += [batcher.enqueue(np.zeros((1, 2), np.float32), due) for _ in range(40 - batcher.queued)]
-        with pytest.raises(ServiceError) as refused:
+        with pytest.raises(EngineError) as refused:
             batcher.check_room()
-        retry_after = int(refused.value.headers["Retry-After"])
+        retry_after = int(http_error(refused.value).headers["Retry-After"])
         results = await asyncio.gather(*futures)
         busy = False
         await hog

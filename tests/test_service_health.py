@@ -1,5 +1,5 @@
-"""Startup survives bad model files (each skipped with one log line and listed with its reason), and readiness
-turns false when a model's worker dies or keeps failing."""
+"""Startup survives bad model files (each skipped with one log line and listed with its reason), and a model's
+readiness turns false when its worker dies or keeps failing, without turning the server's."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import asyncio
 import json
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import onnx
 import pytest
 import torch
+import uvicorn
 from fastapi.testclient import TestClient
 
+from benchmarks.server import free_port, wait_ready
 from models.demo import DEMO_DIR
 from service.app import create_app
 from service.config import Settings
@@ -112,7 +116,10 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
-def test_readiness_turns_false_while_a_model_keeps_failing_and_back_after_a_success() -> None:
+def test_a_model_that_keeps_failing_turns_only_its_own_readiness_and_back_after_a_success() -> None:
+    """Changed on purpose (issue 27, item 6): the server's readiness no longer turns 503 when one model keeps
+    failing; only that model's readiness does. Five bad calls to one model must not take the others out of a
+    load balancer, and with no traffic the breaker would never reset."""
     app = create_app(Settings(models=("digits_multimax", "text_multimax")))
     backend = app.state.runtimes.models["digits_multimax"].entry.backend
     original = backend.run_vision
@@ -132,31 +139,97 @@ def test_readiness_turns_false_while_a_model_keeps_failing_and_back_after_a_succ
 
         for _ in range(FAILING_AFTER - 1):
             assert classify() == 500
-        assert client.get("/v2/health/ready").status_code == 200  # a few failures: maybe the inputs
+        assert client.get("/v2/models/digits_multimax/ready").status_code == 200  # a few failures: maybe the inputs
         assert classify() == 500
         r = client.get("/v2/health/ready")
-        assert r.status_code == 503 and "digits_multimax" in r.json()["reason"] and "device lost" in r.json()["reason"]
+        assert r.status_code == 200 and r.json()["ready"] is True and r.json()["models_not_ready"] == 1
+        assert "device lost" in r.json()["not_ready"]["digits_multimax"]  # no key configured: every client may know
         r = client.get("/v2/models/digits_multimax/ready")
         assert r.status_code == 400 and r.json()["ready"] is False and "failed" in r.json()["reason"]
         assert client.get("/v2/models/text_multimax/ready").status_code == 200  # the other model is fine
         assert 'multimax_model_ready{model="digits_multimax"} 0.0' in client.get("/metrics").text
         broken["on"] = False
         assert classify() == 200
-        assert client.get("/v2/health/ready").status_code == 200
+        assert client.get("/v2/health/ready").json() == {"ready": True}
         assert client.get("/v2/models/digits_multimax/ready").json() == {"name": "digits_multimax", "ready": True}
 
 
-def test_readiness_turns_false_when_a_worker_dies() -> None:
-    app = create_app(Settings(models=("text_multimax",)))
+def test_a_single_model_that_keeps_failing_leaves_the_server_ready() -> None:
+    """Even alone: out of the load balancer, no request would come to reset its breaker, ever."""
+    app = create_app(Settings(models=("digits_multimax",), warmup_calls=0))
+    rt = app.state.runtimes.models["digits_multimax"]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for _ in range(FAILING_AFTER):
+            rt.batcher.health.failed("RuntimeError: device lost")
+        assert client.get("/v2/models/digits_multimax/ready").status_code == 400
+        assert client.get("/v2/health/ready").status_code == 200
+
+
+def test_a_dead_worker_turns_its_model_not_ready_and_the_server_only_when_no_worker_runs() -> None:
+    """A dead loop is one model's trouble while another model serves (Ray's health check replaces the replica);
+    with every served model's loop dead nothing can answer, and the server is not ready."""
+    app = create_app(Settings(models=("digits_multimax", "text_multimax"), warmup_calls=0))
     with TestClient(app, raise_server_exceptions=False) as client:
         assert client.get("/v2/health/ready").status_code == 200
-        scheduler = app.state.runtimes.models["text_multimax"].scheduler
+        runtimes = app.state.runtimes
 
-        async def kill() -> None:
-            scheduler._task.cancel()
+        async def kill(task: asyncio.Task[None]) -> None:
+            task.cancel()
             await asyncio.sleep(0)
 
-        client.portal.call(kill)
+        client.portal.call(kill, runtimes.models["text_multimax"].scheduler._task)
         r = client.get("/v2/health/ready")
-        assert r.status_code == 503 and "worker stopped" in r.json()["reason"]
+        assert r.status_code == 200 and "worker stopped" in r.json()["not_ready"]["text_multimax"]
         assert client.get("/v2/models/text_multimax/ready").status_code == 400
+        assert client.get("/v2/models/digits_multimax/ready").status_code == 200
+        client.portal.call(kill, runtimes.models["digits_multimax"].batcher._task)
+        r = client.get("/v2/health/ready")
+        assert r.status_code == 503 and r.json()["reason"] == "no served model's worker is running"
+
+
+def test_over_a_real_socket_one_model_failing_leaves_the_other_and_the_server_ready() -> None:
+    """uvicorn on a loopback port: the text model raises on every call while a client keeps sending to it; the
+    classifier keeps answering 200 throughout, the server's readiness stays 200, the text model's turns 400."""
+    app = create_app(Settings(models=("digits_multimax", "text_multimax"), warmup_calls=0))
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    app.state.runtimes.models["text_multimax"].entry.backend.run_text = broken
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    failures: list[int] = []
+    stop_failing = threading.Event()
+
+    def fail_repeatedly() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop_failing.is_set():
+                r = c.post(f"{url}/v1/completions", json={"model": "text_multimax", "prompt": "a", "max_tokens": 2})
+                failures.append(r.status_code)
+
+    try:
+        wait_ready(url)
+        failing = threading.Thread(target=fail_repeatedly)
+        failing.start()
+        with httpx.Client(timeout=30) as c:
+            statuses = []
+            while len(failures) < 3 * FAILING_AFTER:
+                r = c.post(f"{url}/v1/models/digits_multimax/classify", content=_png(),
+                           headers={"content-type": "image/png"})
+                statuses.append((r.status_code, c.get(f"{url}/v2/health/ready").status_code))
+            stop_failing.set()
+            failing.join(timeout=60)
+            assert statuses and set(statuses) == {(200, 200)}, statuses
+            assert failures and set(failures) == {500}
+            own = c.get(f"{url}/v2/models/text_multimax/ready")
+            assert own.status_code == 400 and "model calls failed" in own.json()["reason"]
+            assert c.get(f"{url}/v2/models/digits_multimax/ready").status_code == 200
+            r = c.get(f"{url}/v2/health/ready")
+            assert r.status_code == 200 and r.json()["models_not_ready"] == 1
+    finally:
+        stop_failing.set()
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -19,8 +19,10 @@ from models.tokenizer import ByteTokenizer
 from service.app import create_app
 from service.backends.onnxruntime import OnnxRuntimeBackend
 from service.config import Settings
-from service.generation import GenSequence, SamplingParams, TextScheduler
+from service.engine_status import http_error
 from service.metrics import Metrics
+from service.sampler import SamplingParams
+from service.scheduler import GenSequence, TextScheduler
 
 TOK = ByteTokenizer()
 POISON = ord("~")  # a prompt holding this byte breaks the prefill it is in
@@ -82,7 +84,7 @@ def test_a_prefill_that_fails_on_one_prompt_fails_only_that_prompt(reference: An
     bad = _greedy("bad ~ prompt", 12)
     backend = FaultyText()
     _run(backend, [[good[0], bad, good[1]]])
-    assert bad.error is not None and bad.error.status == 500 and bad.tokens == []
+    assert bad.error is not None and http_error(bad.error).status == 500 and bad.tokens == []
     for seq, prompt, n in zip(good, ("Return the", "If the file"), (12, 9), strict=True):
         assert seq.error is None and seq.tokens == reference(prompt, n)
     assert backend.calls[0] == 3  # they really shared the prefill that failed
@@ -95,7 +97,7 @@ def test_a_decode_step_that_fails_on_one_row_fails_only_that_row(reference: Any)
     mates = [_greedy(short[0], 6), _greedy(short[1], 8)]
     backend = FaultyText(raise_at=14)
     _run(backend, [[victim, *mates]])
-    assert victim.error is not None and victim.error.status == 500
+    assert victim.error is not None and http_error(victim.error).status == 500
     assert victim.generated == 5  # it got its first five tokens before the step at position 14 failed
     for seq, prompt in zip(mates, short, strict=True):
         assert seq.error is None and seq.tokens == reference(prompt, seq.params.max_tokens), prompt

@@ -3,9 +3,9 @@
 The exported models carry each MultiMax as one `multimax::*` node with an ONNX function body; without
 this library onnxruntime inlines the body (one memory pass per elementwise op). With it, the three ops
 run as fused kernels (src/multimax_ops.cc): one pass per row in cache, vectorised, rows over
-onnxruntime's intra-op threads. The exported files never change. The other reweighting functions
-(models.onnx_contract.REWEIGHTING_OPS: SparseMax, EntMax15, ... masked and NoMask) are fused the same
-way (src/reweight.inc).
+onnxruntime's intra-op threads. The exported files never change. Every member of the reweighting family
+(plugins.family; op names from the contract, compiled in as family_ops.h) is registered by the same loop:
+MultiMax's rows in src/rows.inc, the others' (SparseMax, EntMax15, ... masked and NoMask) in src/reweight.inc.
 
 `register(options)` is what every CPU session the project creates calls. A wheel carries the library,
 compiled when the wheel was built (setup.py; `lib/` beside this file): it is used as it is, with no
@@ -28,14 +28,14 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from models.onnx_contract import reweighting_op_types
+from models.onnx_contract import ONNX_DOMAIN, multimax_op_types, reweighting_op_types
 from plugins.ort_ops.build import cache_dir
 
-MULTIMAX_OPS = ("MultiMax", "MultiMaxNoMask", "MultiMaxSigma")
-OPS = (*MULTIMAX_OPS, *reweighting_op_types())
+MULTIMAX_OPS = multimax_op_types()
+OPS = (*MULTIMAX_OPS, *reweighting_op_types())  # the library's ops: every op type of the contract's FAMILY_OPS
 # The shared-cache decoder attention of the onnxruntime-genai folder export (plugins/onnx_attention.py)
 ATTENTION_OPS = ("MultiMaxAttention",)
-DOMAIN = "multimax"
+DOMAIN = ONNX_DOMAIN
 PREBUILT_DIR = Path(__file__).parent / "lib"  # where setup.py puts the library in a wheel
 # Library.source: where the library in use came from
 PREBUILT, FIRST_USE, FROM_ENV, UNAVAILABLE = "prebuilt", "built on first use", "MULTIMAX_ORT_OPS_LIB", "unavailable"

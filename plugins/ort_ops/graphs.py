@@ -11,9 +11,8 @@ from typing import Any
 
 from onnx import NodeProto, TensorProto, helper
 
-from models.onnx_contract import ONNX_DOMAIN, plugin_attrs
+from models.onnx_contract import MULTIMAX_OP, ONNX_DOMAIN, plugin_attrs
 from plugins.onnx_functions import function_protos
-from plugins.onnx_reweighting import reweighting_function_protos
 
 OPSET = 18
 Shape = Sequence[int | str] | None
@@ -24,8 +23,8 @@ def _model(nodes: list, inputs: list, output: str, initializers: Sequence = ()) 
         nodes, "multimax_op", inputs, [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
         list(initializers),
     )  # fmt: skip
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("multimax", 1)]
-    functions = function_protos(OPSET) + reweighting_function_protos(OPSET)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(ONNX_DOMAIN, 1)]
+    functions = function_protos(OPSET)
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, ir_version=10)
     return model.SerializeToString()
 
@@ -40,7 +39,7 @@ def _node(op: str, inputs: list[str], output: str, ranges: Sequence[float], ts: 
 
 def op_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: int, shape: Shape = None) -> bytes:
     """x (and mask for MultiMax) -> the node -> y, graph inputs of the given (default: unknown) shape."""
-    names = ["x", "mask"] if op == "MultiMax" else ["x"]
+    names = ["x", "mask"] if op == MULTIMAX_OP else ["x"]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
     return _model([_node(op, names, "y", ranges, ts, order)], inputs, "y")
 
@@ -61,8 +60,8 @@ def scores_model(op: str, ranges: Sequence[float], ts: Sequence[float], order: i
     """The attention's view of the node: scores (B, heads, T, T) * scale -> node -> * 1, so that, as in a
     model, the node's input is an intermediate it may overwrite and its output is read by another node.
     `op` may be "Softmax" (the twin); MultiMax takes a decoder's mask (B, 1, T, T) as a second input."""
-    names = ["x", "mask"] if op == "MultiMax" else ["x"]
-    return _scores_model(_node(op, names, "p", ranges, ts, order), heads, op == "MultiMax")
+    names = ["x", "mask"] if op == MULTIMAX_OP else ["x"]
+    return _scores_model(_node(op, names, "p", ranges, ts, order), heads, op == MULTIMAX_OP)
 
 
 def reweighting_scores_model(op: str, attrs: Mapping[str, Any], heads: int = 6) -> bytes:

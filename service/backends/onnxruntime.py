@@ -21,7 +21,7 @@ from models.onnx_contract import (
     text_feeds,
 )
 from plugins import ort_ops
-from plugins.onnx_reweighting import attribute_problems
+from plugins.onnx_functions import attribute_problems
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import onnxruntime_providers
 

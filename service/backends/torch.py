@@ -17,7 +17,7 @@ from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
 from models.gpt import KVCache
 from models.loading import CheckpointError, check_keys
-from plugins.reweight_op import use_fused_kernels
+from plugins.torch_op import use_fused_kernels
 from service.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.backends.probe import torch_cuda_available
 
@@ -55,7 +55,8 @@ class _TorchBackend(Backend):
         self.path, self.checkpoint, self.device = path, ckpt, device
         self.arch = ckpt.arch
         self.model = model.to(device).eval()
-        # On a GPU the other reweighting functions run their Triton kernel (a custom op torch.compile keeps whole).
+        # On a GPU every attention reweighting (MultiMax and the others) runs its Triton kernel (one custom op that
+        # torch.compile keeps whole).
         self.fused_reweighting = use_fused_kernels(self.model) if device.type == "cuda" else 0
         self.compiled = compile
         # dynamic=True: batch size and sequence length change from call to call; one graph serves all.

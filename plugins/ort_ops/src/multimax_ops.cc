@@ -1,9 +1,10 @@
-// onnxruntime custom-op library: the `multimax` domain's MultiMax(x, mask), MultiMaxNoMask(x) and
-// MultiMaxSigma(x) as fused CPU kernels, with the semantics of their ONNX function bodies
-// (export/onnx_functions.py): sigma, then the mask (numpy broadcasting), then Softmax over the last axis.
-// Also the other reweighting functions of issue 15 (SparseMax, EntMax15, EvSoftMax, TopKSoftMax,
-// GaussianAttention, LaplacianAttention, LengthScaledSoftMax, each masked and NoMask) with the contract's
-// masking rule (docs/REWEIGHTING.md; bodies in plugins/onnx_reweighting.py): row kernels in reweight.inc.
+// onnxruntime custom-op library: the `multimax` domain's ops of the reweighting family (plugins/family.py) as
+// fused CPU kernels, with the semantics of their ONNX function bodies (plugins/onnx_bodies.py). Every member
+// (MULTIMAX_FAMILY, generated from the contract by build.py) has <Op>(x, mask) and <Op>NoMask(x), registered by
+// one loop (FamilyOps); MultiMax adds MultiMaxSigma(x). MultiMax: sigma, then the mask (numpy broadcasting), then
+// Softmax over the last axis (softmax_row / sigma in rows.inc). The others (SparseMax, EntMax15, EvSoftMax,
+// TopKSoftMax, GaussianAttention, LaplacianAttention, LengthScaledSoftMax) follow the contract's masking rule
+// (docs/REWEIGHTING.md): row kernels in reweight.inc.
 //
 // Written against the C API only (onnxruntime_c_api.h): no exception crosses the C boundary, every
 // failure is an OrtStatus. The library does not link against onnxruntime; RegisterCustomOps asks the
@@ -24,6 +25,7 @@
 #include <new>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "rows.h"
@@ -174,7 +176,7 @@ struct Kernel {
   Op op;
   Sigma params;  // MultiMax
   const RowKernels* rows;
-  bool reweight = false;  // one of the issue-15 functions (rw.fn), not MultiMax
+  bool reweight = false;  // a member other than MultiMax (rw.fn)
   Reweight rw{};
   std::vector<float> offset, scale;  // Gaussian/Laplacian: 1 value, or one per head (axis 1 of rank-4 x)
 
@@ -308,12 +310,12 @@ OrtStatus* create_reweight(Fn fn, const OrtKernelInfo* info, Kernel* k) {
   k->reweight = true;
   k->rw.fn = fn;
   switch (fn) {
-    case Fn::kTopK:
+    case Fn::TopKSoftMax:
       MM_RETURN_IF_ERROR(read_attr(info, "k", &k->rw.k));
       if (k->rw.k < 1) return fail("attribute 'k' must be >= 1, got " + std::to_string(k->rw.k));
       break;
-    case Fn::kGaussian:
-    case Fn::kLaplacian:
+    case Fn::GaussianAttention:
+    case Fn::LaplacianAttention:
       MM_RETURN_IF_ERROR(read_attr(info, "offset", &k->offset));
       MM_RETURN_IF_ERROR(read_attr(info, "scale", &k->scale));
       if (k->offset.size() > 1 && k->scale.size() > 1 && k->offset.size() != k->scale.size())
@@ -324,7 +326,7 @@ OrtStatus* create_reweight(Fn fn, const OrtKernelInfo* info, Kernel* k) {
       for (float v : k->scale)
         if (!(v > 0.0f) || !std::isfinite(v)) return fail("attribute 'scale' must be > 0 and finite, got " + str(v));
       break;
-    case Fn::kLengthScaled:
+    case Fn::LengthScaledSoftMax:
       MM_RETURN_IF_ERROR(read_attr(info, "eps", &k->rw.eps));
       MM_RETURN_IF_ERROR(read_attr(info, "m", &k->rw.m));
       if (!(k->rw.eps > 0.0f && k->rw.eps < 1.0f)) return fail("attribute 'eps' must be in (0, 1), got " + str(k->rw.eps));
@@ -364,10 +366,10 @@ OrtStatus* check_heads(const Kernel& k, const OrtKernelInfo* info) {
   return bad_rank || bad_heads ? fail(heads_error(k.heads(), shape)) : nullptr;
 }
 
-OrtStatus* create_kernel(Op op, int fn, const OrtKernelInfo* info, void** out) {
+OrtStatus* create_kernel(Op op, Fn fn, const OrtKernelInfo* info, void** out) {
   Kernel k{op, {}, nullptr};
-  if (fn >= 0) {
-    MM_RETURN_IF_ERROR(create_reweight(static_cast<Fn>(fn), info, &k));
+  if (fn != Fn::MultiMax) {
+    MM_RETURN_IF_ERROR(create_reweight(fn, info, &k));
     MM_RETURN_IF_ERROR(check_heads(k, info));
     MM_RETURN_IF_ERROR(choose_kernels(&k.rows));
     *out = new (std::nothrow) Kernel(k);
@@ -521,24 +523,18 @@ OrtStatus* infer_shape(Op op, OrtShapeInferContext* ctx) {
 
 // ---- the OrtCustomOp tables ------------------------------------------------------------------
 
-// Op types of the reweighting functions, indexed by Fn: {masked, NoMask} (models.onnx_contract.REWEIGHTING_OPS).
-constexpr const char* kReweightNames[][2] = {
-    {"SparseMax", "SparseMaxNoMask"},
-    {"EntMax15", "EntMax15NoMask"},
-    {"EvSoftMax", "EvSoftMaxNoMask"},
-    {"TopKSoftMax", "TopKSoftMaxNoMask"},
-    {"GaussianAttention", "GaussianAttentionNoMask"},
-    {"LaplacianAttention", "LaplacianAttentionNoMask"},
-    {"LengthScaledSoftMax", "LengthScaledSoftMaxNoMask"},
-};
-constexpr int kReweightCount = sizeof(kReweightNames) / sizeof(kReweightNames[0]);
+// Op types per member, indexed by Fn: {masked, NoMask} (models.onnx_contract.FAMILY_OPS, through family_ops.h).
+#define MULTIMAX_NAMES(op) {#op, #op MULTIMAX_NO_MASK},
+constexpr const char* kOpNames[][2] = {MULTIMAX_FAMILY(MULTIMAX_NAMES)};
+#undef MULTIMAX_NAMES
 
-// kFn < 0: MultiMax's op kOp; else the reweighting function Fn(kFn), masked (kMasked) or NoMask.
-template <Op kOp, int kFn = -1>
+// Member kFn's op: masked (kMasked), NoMask, or MultiMax's modulation alone (kSigma).
+template <Op kOp, Fn kFn>
 struct CustomOp : OrtCustomOp {
+  static_assert(kOp != Op::kSigma || kFn == Fn::MultiMax, "only MultiMax has a Sigma op");
   static constexpr const char* name() {
-    if (kFn >= 0) return kReweightNames[kFn][kOp == Op::kMasked ? 0 : 1];
-    return kOp == Op::kMasked ? "MultiMax" : kOp == Op::kNoMask ? "MultiMaxNoMask" : "MultiMaxSigma";
+    if (kOp == Op::kSigma) return MULTIMAX_SIGMA_OP;
+    return kOpNames[static_cast<int>(kFn)][kOp == Op::kMasked ? 0 : 1];
   }
   CustomOp() {
     std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
@@ -590,24 +586,23 @@ struct CustomOp : OrtCustomOp {
   }
 };
 
-const CustomOp<Op::kMasked> g_masked;
-const CustomOp<Op::kNoMask> g_nomask;
-const CustomOp<Op::kSigma> g_sigma;
-
-// Every reweighting op, masked and NoMask, for Fn 0..kReweightCount-1.
+// Every member's masked and NoMask op (Fn 0 .. kFamilySize-1), and MultiMaxSigma.
+template <typename Fns>
+struct FamilyOps;
 template <int... kFns>
-struct ReweightOps {
-  std::tuple<CustomOp<Op::kMasked, kFns>...> masked;
-  std::tuple<CustomOp<Op::kNoMask, kFns>...> nomask;
+struct FamilyOps<std::integer_sequence<int, kFns...>> {
+  std::tuple<CustomOp<Op::kMasked, static_cast<Fn>(kFns)>...> masked;
+  std::tuple<CustomOp<Op::kNoMask, static_cast<Fn>(kFns)>...> nomask;
+  CustomOp<Op::kSigma, Fn::MultiMax> sigma;
   std::vector<const OrtCustomOp*> all() const {
     std::vector<const OrtCustomOp*> out;
     std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, masked);
     std::apply([&](const auto&... op) { (out.push_back(&op), ...); }, nomask);
+    out.push_back(&sigma);
     return out;
   }
 };
-const ReweightOps<0, 1, 2, 3, 4, 5, 6> g_reweight;
-static_assert(kReweightCount == 7, "one CustomOp per Fn");
+const FamilyOps<std::make_integer_sequence<int, kFamilySize>> g_family;
 
 #include "attention.inc"
 
@@ -629,9 +624,9 @@ MM_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, 
   }
   g_api = api;
   OrtCustomOpDomain* domain = nullptr;
-  MM_RETURN_IF_ERROR(api->CreateCustomOpDomain("multimax", &domain));
-  std::vector<const OrtCustomOp*> ops = {&g_masked, &g_nomask, &g_sigma, &g_attention};
-  for (const OrtCustomOp* op : g_reweight.all()) ops.push_back(op);
+  MM_RETURN_IF_ERROR(api->CreateCustomOpDomain(MULTIMAX_DOMAIN, &domain));
+  std::vector<const OrtCustomOp*> ops = g_family.all();
+  ops.push_back(&g_attention);
   for (const OrtCustomOp* op : ops) MM_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, op));
   return api->AddCustomOpDomain(options, domain);
 }

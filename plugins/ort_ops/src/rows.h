@@ -3,6 +3,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "family_ops.h"  // generated from models/onnx_contract.py by build.py: MULTIMAX_FAMILY
+
 namespace multimax {
 
 // The node's learned parameters: sigma(x) = x + t0*relu(r0-x) + t1*relu(x-r1) + t2*relu(r2-x)^2 + t3*relu(x-r3)^2.
@@ -11,8 +13,15 @@ struct Sigma {
   float t[4];
 };
 
-// The other reweighting functions (issue 15, /work/notes/REWEIGHTING_SPEC.md): one row's settings.
-enum class Fn : int32_t { kSparseMax, kEntMax15, kEvSoftMax, kTopK, kGaussian, kLaplacian, kLengthScaled };
+// The members of the reweighting family, named by their masked op type, in the contract's order (FAMILY_OPS).
+#define MULTIMAX_FN(op) op,
+enum class Fn : int32_t { MULTIMAX_FAMILY(MULTIMAX_FN) };
+#undef MULTIMAX_FN
+#define MULTIMAX_COUNT(op) +1
+constexpr int kFamilySize = 0 MULTIMAX_FAMILY(MULTIMAX_COUNT);
+#undef MULTIMAX_COUNT
+
+// One row's settings of a member other than MultiMax (whose parameters are a Sigma).
 struct Reweight {
   Fn fn;
   int64_t k;            // TopKSoftMax

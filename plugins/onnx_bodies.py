@@ -1,15 +1,15 @@
-"""ONNX function bodies of the other reweighting ops (models.reweighting; contract: docs/REWEIGHTING.md).
+"""ONNX function bodies of the reweighting family's ops, in standard ONNX ops only, so that onnxruntime (or any
+runtime) without a fused kernel inlines them. One builder per function (plugins.family names which is whose); the
+node's attributes reach the body through attribute references (`ref_attr_name`), so a body is written once per op
+type and every node's own values flow in when a runtime inlines it.
 
-One FunctionProto per op type of models.onnx_contract.REWEIGHTING_OPS, masked `<Op>(x, mask)` and
-`<Op>NoMask(x)`, in standard ONNX ops only, so onnxruntime (or any runtime) without a fused kernel inlines
-them. The node's attributes reach the body through attribute references (`ref_attr_name`). Each reduces over
-the last axis in float32 and follows the contract's masking rule: masked iff mask <= -1e4, masked entries 0,
-a one-entry row exactly 1, an empty row uniform.
-
-SparseMax and EntMax-1.5 are the exact sort-based algorithms: a full-length TopK sorts each row, CumSum gives
-the prefix sums, the support size is a ReduceSum over a comparison and GatherElements reads tau at it: the
-cheapest exact standard-op graph (no loop, no bisection). The others are softmax over a subset or of
-transformed scores.
+MultiMax: the cheapest correct elementwise chain, squares by Mul (no Pow), the mask added AFTER the modulation, then
+Softmax (`MultiMaxSigma` is the chain alone). The others reduce over the last axis in float32 and follow the
+contract's masking rule (docs/REWEIGHTING.md): masked iff mask <= -1e4, masked entries 0, a one-entry row exactly 1,
+an empty row uniform. SparseMax and EntMax-1.5 are the exact sort-based algorithms: a full-length TopK sorts each row,
+CumSum gives the prefix sums, the support size is a ReduceSum over a comparison and GatherElements reads tau at it:
+the cheapest exact standard-op graph (no loop, no bisection). The others are softmax over a subset or of transformed
+scores.
 """
 
 from __future__ import annotations
@@ -20,22 +20,17 @@ from typing import Any
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from models.onnx_contract import (
-    MASKED_BELOW,
-    ONNX_DOMAIN,
-    PLUGIN_ATTRIBUTES,
-    REWEIGHTING_ATTRIBUTES,
-    REWEIGHTING_OPS,
-)
+from models.onnx_contract import MASKED_BELOW
 
-_REF_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
-              "eps": AttributeProto.FLOAT, "m": AttributeProto.FLOAT}  # fmt: skip
+ATTRIBUTE_TYPES = {"k": AttributeProto.INT, "offset": AttributeProto.FLOATS, "scale": AttributeProto.FLOATS,
+              "eps": AttributeProto.FLOAT, "m": AttributeProto.FLOAT, "ranges": AttributeProto.FLOATS,
+              "ts": AttributeProto.FLOATS, "order": AttributeProto.INT}  # fmt: skip
 _REF_VALUE = {
     AttributeProto.INT: "value_int", AttributeProto.FLOATS: "value_floats", AttributeProto.FLOAT: "value_float"
 }
 
 
-class _Body:
+class Body:
     """Node-by-node builder of one function body; every op returns its (fresh) output name."""
 
     def __init__(self, masked: bool) -> None:
@@ -44,9 +39,22 @@ class _Body:
         self._names = itertools.count()
 
     def op(self, op_type: str, *inputs: str, **attrs: Any) -> str:
-        out = f"t{next(self._names)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
+        return self.ops(op_type, 1, *inputs, **attrs)[0]
+
+    def ops(self, op_type: str, n_out: int, *inputs: str, **attrs: Any) -> list[str]:
+        """A node with `n_out` outputs (fresh names)."""
+        outs = [f"t{next(self._names)}" for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs
+
+    def name_output(self, result: str, name: str) -> None:
+        """Give the body's result the name `name`: the last node's output renamed where it produced it (no extra
+        node), else an Identity."""
+        last = self.nodes[-1] if self.nodes else None
+        if last is not None and result in last.output:
+            last.output[list(last.output).index(result)] = name
+        else:
+            self.nodes.append(helper.make_node("Identity", [result], [name]))
 
     def const(self, value: float | int | list[int]) -> str:
         if isinstance(value, list):
@@ -59,7 +67,7 @@ class _Body:
         """A Constant holding the calling node's attribute `name`."""
         out = f"t{next(self._names)}"
         node = helper.make_node("Constant", [], [out])
-        kind = _REF_TYPES[name]
+        kind = ATTRIBUTE_TYPES[name]
         node.attribute.append(AttributeProto(name=_REF_VALUE[kind], ref_attr_name=name, type=kind))
         self.nodes.append(node)
         return out
@@ -120,8 +128,7 @@ class _Body:
     def sorted_desc(self, z: str) -> tuple[str, str]:
         """(z sorted descending along the last axis, ranks 1..n as floats)."""
         n = self.op("Shape", z, start=-1)
-        zs = f"t{next(self._names)}"
-        self.nodes.append(helper.make_node("TopK", [z, n], [zs, f"t{next(self._names)}"], axis=-1, largest=1, sorted=1))
+        zs = self.ops("TopK", 2, z, n, axis=-1, largest=1, sorted=1)[0]
         n_scalar = self.op("Squeeze", n, self.const([0]))
         ranks = self.op("Range", self.const(1), self.op("Add", n_scalar, self.const(1)), self.const(1))
         return zs, self.op("Cast", ranks, to=TensorProto.FLOAT)
@@ -134,10 +141,39 @@ class _Body:
         return self.op("Where", keep, y, low)
 
 
+    def sigma(self, x: str) -> str:
+        """sigma(x) = x + ts0*relu(r0-x) + ts1*relu(x-r1) + ts2*relu(r2-x)^2 + ts3*relu(x-r3)^2 from the node's
+        `ranges`/`ts`; order-1 nodes carry ts[2:] = 0, so one chain serves both orders."""
+        r = self.ops("Split", 4, self.attr("ranges"), axis=0, num_outputs=4)
+        t = self.ops("Split", 4, self.attr("ts"), axis=0, num_outputs=4)
+        low1 = self.op("Relu", self.op("Sub", r[0], x))
+        high1 = self.op("Relu", self.op("Sub", x, r[1]))
+        low2 = self.op("Relu", self.op("Sub", r[2], x))
+        high2 = self.op("Relu", self.op("Sub", x, r[3]))
+        terms = [self.op("Mul", t[0], low1), self.op("Mul", t[1], high1),
+                 self.op("Mul", t[2], self.op("Mul", low2, low2)), self.op("Mul", t[3], self.op("Mul", high2, high2))]
+        y = x
+        for term in terms:  # added in the order of models.multimax.sigma
+            y = self.op("Add", y, term)
+        return y
+
+
 # ---- the ops ------------------------------------------------------------------------------------------
 
 
-def _sparsemax(b: _Body) -> str:
+def multimax(b: Body) -> str:
+    """softmax(sigma(x) + mask): the mask AFTER the modulation (modulating -inf would give NaN)."""
+    y = b.sigma("x")
+    return b.op("Softmax", b.op("Add", y, "mask") if b.masked else y, axis=-1)
+
+
+def multimax_sigma(b: Body) -> str:
+    """sigma(x) alone (`MultiMaxSigma`: the output layer's logits)."""
+    return b.sigma("x")
+
+
+
+def sparsemax(b: Body) -> str:
     y, keep, count = b.prologue()
     z = b.fill_out_of_support(y, keep, 1.0)
     zs, k = b.sorted_desc(z)
@@ -149,7 +185,7 @@ def _sparsemax(b: _Body) -> str:
     return b.finish(b.op("Relu", b.op("Sub", z, tau)), keep, count)
 
 
-def _entmax15(b: _Body) -> str:
+def entmax15(b: Body) -> str:
     y, keep, count = b.prologue()
     z = b.op("Mul", b.fill_out_of_support(y, keep, 2.0), b.const(0.5))  # z = y/2; masked 2 below max(z)
     z = b.op("Sub", z, b.reduce("ReduceMax", z))  # tau relative to the max: no cancellation in the squares
@@ -166,7 +202,7 @@ def _entmax15(b: _Body) -> str:
     return b.finish(b.op("Mul", d, d), keep, count)
 
 
-def _evsoftmax(b: _Body) -> str:
+def evsoftmax(b: Body) -> str:
     y, keep, count = b.prologue()
     # The mean in float64, as models.reweighting.evsoftmax takes it (the cut is a discontinuity).
     y64 = b.op("Cast", y, to=TensorProto.DOUBLE)
@@ -177,13 +213,12 @@ def _evsoftmax(b: _Body) -> str:
     return b.finish(b.softmax_over(y, kept), keep, count)
 
 
-def _topk_softmax(b: _Body) -> str:
+def topk_softmax(b: Body) -> str:
     y, keep, count = b.prologue()
     filled = y if keep is None else b.op("Where", keep, y, b.const(float("-inf")))
     n = b.op("Shape", y, start=-1)
     kk = b.op("Min", b.op("Reshape", b.attr("k"), b.const([1])), n)
-    values = f"t{next(b._names)}"
-    b.nodes.append(helper.make_node("TopK", [filled, kk], [values, f"t{next(b._names)}"], axis=-1, largest=1))
+    values = b.ops("TopK", 2, filled, kk, axis=-1, largest=1)[0]
     t = b.op("Gather", values, b.op("Sub", kk, b.const([1])), axis=-1)  # the k-th largest (-inf if |U| < k)
     kept = b.op("GreaterOrEqual", y, t)  # ties at t all kept
     if keep is not None:
@@ -191,7 +226,15 @@ def _topk_softmax(b: _Body) -> str:
     return b.finish(b.softmax_over(y, kept), keep, count)
 
 
-def _adaptive(b: _Body, laplacian: bool) -> str:
+def gaussian(b: Body) -> str:
+    return _adaptive(b, laplacian=False)
+
+
+def laplacian(b: Body) -> str:
+    return _adaptive(b, laplacian=True)
+
+
+def _adaptive(b: Body, laplacian: bool) -> str:
     y, keep, count = b.prologue()
     mu = b.op("Add", b.row_mean(y, keep, count), b.head_param("offset"))
     d = b.op("Sub", y, mu)
@@ -203,7 +246,7 @@ def _adaptive(b: _Body, laplacian: bool) -> str:
     return b.finish(b.softmax_over(z, keep), keep, count)
 
 
-def _length_scaled(b: _Body) -> str:
+def length_scaled(b: Body) -> str:
     y, keep, count = b.prologue()
     length = b.op("Max", count if count is not None else b.row_size("x"), b.const(1.0))
     eps, m = b.attr("eps"), b.attr("m")
@@ -211,92 +254,3 @@ def _length_scaled(b: _Body) -> str:
     ratio = b.op("Div", b.op("Mul", b.op("Sub", b.const(1.0), eps), b.op("Sub", length, mm)), b.op("Mul", eps, mm))
     k = b.op("Mul", b.const(0.5), b.op("Log", b.op("Max", ratio, b.const(1.0))))
     return b.finish(b.softmax_over(b.op("Mul", k, y), keep), keep, count)
-
-
-_BODIES = {
-    "SparseMax": _sparsemax,
-    "EntMax15": _entmax15,
-    "EvSoftMax": _evsoftmax,
-    "TopKSoftMax": _topk_softmax,
-    "GaussianAttention": lambda b: _adaptive(b, laplacian=False),
-    "LaplacianAttention": lambda b: _adaptive(b, laplacian=True),
-    "LengthScaledSoftMax": _length_scaled,
-}
-
-
-def reweighting_function_protos(opset: int, ops: set[str] | None = None) -> list[onnx.FunctionProto]:
-    """The bodies of `ops` (op types, masked and NoMask; default all), against the model's default-domain opset."""
-    out = []
-    for op in REWEIGHTING_OPS.values():
-        for masked in (True, False):
-            name = op if masked else op + "NoMask"
-            if ops is not None and name not in ops:
-                continue
-            b = _Body(masked)
-            result = _BODIES[op](b)
-            b.nodes.append(helper.make_node("Identity", [result], ["y"]))
-            attributes = [*REWEIGHTING_ATTRIBUTES[op], *PLUGIN_ATTRIBUTES]
-            inputs = ["x", "mask"] if masked else ["x"]
-            out.append(helper.make_function(
-                ONNX_DOMAIN, name, inputs, ["y"], b.nodes, [helper.make_opsetid("", opset)], attributes=attributes
-            ))  # fmt: skip
-    return out
-
-
-def _dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    """Each value's inferred dims (None where symbolic), for the graph's top level."""
-    try:
-        graph = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-    except Exception:  # a graph onnx cannot infer: the checks that need shapes are skipped
-        graph = model.graph
-    out: dict[str, list[int | None]] = {}
-    for info in (*graph.input, *graph.value_info, *graph.output):
-        t = info.type.tensor_type
-        if t.HasField("shape"):
-            out[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-    return out
-
-
-def attribute_problems(model: onnx.ModelProto) -> list[str]:
-    """What is wrong with the reweighting nodes' attributes, one line each (empty: nothing).
-
-    The fused ops refuse these at session creation, but a function body inlines whatever it is given and fails
-    (or, for k/eps/m, computes nonsense) only when run: this checks the contract statically, for the exporter
-    and for the server's load of a file it did not write. Per-head `offset`/`scale` need length 1 or the
-    input's axis 1 (the heads of a rank-4 input), where shape inference knows it.
-    """
-    ops = {op: base for base in REWEIGHTING_OPS.values() for op in (base, base + "NoMask")}
-    dims: dict[str, list[int | None]] | None = None
-    problems = []
-    for node in model.graph.node:
-        if node.domain != ONNX_DOMAIN or node.op_type not in ops:
-            continue
-        where = f"{node.op_type} node {node.name or node.output[0]!r}"
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        missing = [a for a in REWEIGHTING_ATTRIBUTES[ops[node.op_type]] if a not in attrs]
-        if missing:
-            problems.append(f"{where}: missing attribute(s) {', '.join(missing)}")
-            continue
-        if "k" in attrs and not attrs["k"] >= 1:
-            problems.append(f"{where}: k must be >= 1, got {attrs['k']}")
-        if "eps" in attrs and not 0 < attrs["eps"] < 1:
-            problems.append(f"{where}: eps must be in (0, 1), got {attrs['eps']}")
-        if "m" in attrs and not attrs["m"] >= 0:
-            problems.append(f"{where}: m must be >= 0 (0 means sqrt(l)), got {attrs['m']}")
-        if "offset" not in attrs:
-            continue
-        offset, scale = list(attrs["offset"]), list(attrs["scale"])
-        if not offset or len(offset) != len(scale):
-            problems.append(f"{where}: offset and scale need the same length >= 1, got {len(offset)} and {len(scale)}")
-            continue
-        if not all(s > 0 for s in scale):
-            problems.append(f"{where}: every scale must be > 0, got {min(scale)}")
-        if len(offset) > 1:
-            dims = _dims(model) if dims is None else dims
-            shape = dims.get(node.input[0])
-            if shape is not None and len(shape) != 4:
-                problems.append(f"{where}: {len(offset)} per-head values need a rank-4 input (B, H, T, S), "
-                                f"it has rank {len(shape)}")
-            elif shape is not None and shape[1] is not None and shape[1] != len(offset):
-                problems.append(f"{where}: {len(offset)} per-head values for {shape[1]} heads (axis 1)")
-    return problems

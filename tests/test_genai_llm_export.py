@@ -1,0 +1,218 @@
+"""The onnxruntime-genai folder export (`python -m export MODEL -o DIR`) of Hugging Face Llama / Qwen2 / Qwen3 folders
+with a SegLU head, and of the paper's fairseq language models: onnxruntime-genai loads each folder unchanged and
+generates greedily what PyTorch generates (checked here independently of the export's own validation), the
+tokenizer files are the model's, --fp16 / --int4 report their deltas, and bad input leaves nothing behind.
+
+The Hugging Face folders are made with transformers as in tests/test_hf_folder.py (random weights, PaddleFleet's
+SegLU tensors with the paper's Table 8 values, a BPE tokenizer trained with `tokenizers`)."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+og = pytest.importorskip("onnxruntime_genai")
+
+from test_hf_folder import arch_configs, make_folder, train_tokenizer  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from export.cli import main  # noqa: E402
+from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE, REPORT_FILE  # noqa: E402
+from export.genai_validate import genai_greedy, without_library  # noqa: E402
+from models.checkpoint import load  # noqa: E402
+from models.generate import generate  # noqa: E402
+from models.hf_folder import load_folder  # noqa: E402
+from plugins import ort_ops  # noqa: E402
+
+FAIRSEQ = Path(__file__).parent / "fixtures" / "fairseq"
+PROMPTS = ["The quick brown fox", "MultiMax reweights", "def add(a, b):"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_llm")
+    train_tokenizer(root / "tokenizer")
+    configs = arch_configs()
+    # llama: softmax attention (GroupQueryAttention, 2 key/value heads for 4 query heads) with the SegLU head;
+    # llama_multimax: MultiMax attention in every layer (MultiMaxAttention with grouped key/value heads)
+    config, how = configs["llama"]
+    folders = {"llama": make_folder(root / "llama", root / "tokenizer", config, head_prefix="lm_head.",
+                                    attention_layers=[], modules=["lm_head"]),
+               "llama_multimax": make_folder(root / "llama_multimax", root / "tokenizer", config, **how)}
+    for name in ("qwen2", "qwen3"):  # qwen2: q/k/v biases, sharded; qwen3: q/k norm, MultiMax in layer 1 only
+        config, how = configs[name]
+        folders[name] = make_folder(root / name, root / "tokenizer", config, **how)
+    return folders
+
+
+def export(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*args, "--quiet"])
+    return code, out.getvalue(), err.getvalue()
+
+
+def greedy_refs(model: Any, prompts: list[list[int]], eos: set[int], tokens: int = 32) -> list[list[int]]:
+    """PyTorch's greedy tokens as onnxruntime-genai returns them: up to and including an end-of-sequence id."""
+    refs = []
+    for prompt in prompts:
+        ref = generate(model, prompt, tokens, temperature=0)[0]
+        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+        refs.append(ref[:cut])
+    return refs
+
+
+def check_folder(folder: Path, model: Any, prompts: list[list[int]], tmp_path: Path) -> dict[str, Any]:
+    """The report passed; onnxruntime-genai (with and without the library) generates PyTorch's 32 greedy tokens."""
+    report = json.loads((folder / REPORT_FILE).read_text())
+    assert report["passed"], report["problems"]
+    genai = report["validation"]["genai"]
+    for run in ("library", "function_bodies"):
+        if run in genai:
+            assert genai[run]["identical"] == genai["prompts"]
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    eos = config["model"]["eos_token_id"]
+    refs = greedy_refs(model, prompts, {eos} if isinstance(eos, int) else set(eos))
+    (tmp_path / "bodies").mkdir()
+    assert genai_greedy(without_library(folder, tmp_path / "bodies"), prompts, 32) == refs
+    if (folder / LIBRARY_FILE).is_file():
+        assert genai_greedy(folder, prompts, 32) == refs
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, nodes, kv_cache", [
+    ("llama", {"GroupQueryAttention", "MultiMaxSigma"}, 2),
+    ("llama_multimax", {"MultiMaxAttention", "MultiMaxSigma"}, 2),
+    ("qwen2", {"GroupQueryAttention", "MultiMaxSigma"}, 2),
+    ("qwen3", {"GroupQueryAttention", "MultiMaxAttention", "MultiMaxSigma"}, 2),
+])
+def test_hf_folder_exports_for_onnxruntime_genai(name: str, nodes: set[str], kv_cache: int, hf_folders: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    source, folder = hf_folders[name], tmp_path / f"{name}_genai"
+    code, out, err = export([str(source), "-o", str(folder), "--samples", "8"])
+    assert code == 0, out + err
+    model, info = load_folder(source)
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    report = check_folder(folder, model, [tok.encode(p).ids for p in PROMPTS], tmp_path)
+    assert report["arch"] == "llama" and report["precision"] == "fp32"
+    # the tokenizer files are the folder's own, chat template and generation config included
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (folder / file).read_bytes() == (source / file).read_bytes(), file
+    tokenizer = report["validation"]["genai"]["tokenizer"]
+    assert tokenizer["identical"] == tokenizer["texts"]
+    proto = onnx.load(str(folder / MODEL_FILE))
+    assert {n.op_type for n in proto.graph.node if n.domain} == nodes
+    assert sum(n.op_type == "MultiMaxSigma" for n in proto.graph.node) == 1  # the SegLU: one node on the logits
+    past = next(i for i in proto.graph.input if i.name == "past_key_values.0.key")
+    assert past.type.tensor_type.shape.dim[1].dim_value == kv_cache  # key/value heads, not the 4 query heads
+    decoder = json.loads((folder / CONFIG_FILE).read_text())["model"]["decoder"]
+    assert (decoder["num_attention_heads"], decoder["num_key_value_heads"]) == (4, 2)
+    assert decoder["head_size"] == info.config.head_dim
+    assert (folder / LIBRARY_FILE).is_file() == ort_ops.library().available
+    if "MultiMaxAttention" in nodes and ort_ops.library().available:
+        assert report["validation"]["fused_ops"]["in_use"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["postnorm_tied", "prenorm_untied"])
+def test_fairseq_lm_exports_for_onnxruntime_genai(fixture: str, tmp_path: Path) -> None:
+    ckpt, folder = FAIRSEQ / fixture / "checkpoint.pt", tmp_path / "lm"
+    code, out, err = export([str(ckpt), "-o", str(folder), "--samples", "8"])
+    assert code == 0, out + err
+    model, checkpoint, _ = load(ckpt)
+    # the dictionary as tokenizer.json (word level, fairseq's four specials): the LM input is </s> then the words
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert json.loads((folder / "tokenizer.json").read_text()) == checkpoint.tokenizer["tokenizer_json"]
+    assert [tok.id_to_token(i) for i in range(4)] == ["<s>", "<pad>", "</s>", "<unk>"]
+    words = [tok.id_to_token(i) for i in range(4, 8)]
+    ids = tok.encode(" ".join(words)).ids
+    assert ids == [2, 4, 5, 6, 7]
+    config = json.loads((folder / CONFIG_FILE).read_text())["model"]
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 2, 1)
+    report = check_folder(folder, model, [ids, [2, 7, 3, 5]], tmp_path)
+    # onnxruntime-genai's own tokenizer reads BPE-like tokenizer.json files only: said, not hidden
+    assert report["validation"]["genai"]["tokenizer"]["checked"] is False
+    assert "WordLevel" in report["validation"]["genai"]["tokenizer"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, cache", [("qwen2", onnx.TensorProto.FLOAT16), ("qwen3", onnx.TensorProto.FLOAT)])
+def test_fp16_folder_reports_deltas(name: str, cache: int, hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """qwen2 (softmax): GroupQueryAttention on an fp16 cache. qwen3 mixes both attention nodes; MultiMaxAttention is
+    an fp32 kernel and onnxruntime-genai gives every layer one cache dtype, so both nodes run on an fp32 cache (the
+    rest in fp16). The logits stay float32."""
+    folder = tmp_path / f"{name}_fp16"
+    code, out, err = export([str(hf_folders[name]), "-o", str(folder), "--fp16", "--samples", "8"])
+    assert code == 0, out + err
+    report = json.loads((folder / REPORT_FILE).read_text())
+    assert report["precision"] == "fp16" and report["passed"], report["problems"]
+    stats = report["validation"]["ORT_ENABLE_ALL"]
+    assert 0 < stats["max_abs"] <= 2e-2 and stats["next_token_agreement"] >= 0.99
+    assert 0 <= report["validation"]["genai"]["function_bodies"]["token_agreement"] <= 1
+    inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(folder / MODEL_FILE)).graph.input}
+    assert inputs["past_key_values.0.key"] == inputs["past_key_values.1.key"] == cache
+    weights = {t.data_type for t in onnx.load(str(folder / MODEL_FILE)).graph.initializer if len(t.dims) == 2}
+    assert weights == {onnx.TensorProto.FLOAT16}
+    outputs = {o.name: o.type.tensor_type.elem_type for o in onnx.load(str(folder / MODEL_FILE)).graph.output}
+    assert outputs["logits"] == onnx.TensorProto.FLOAT
+
+
+@pytest.mark.slow
+def test_int4_folder_reports_deltas(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = tmp_path / "llama_int4"
+    code, out, err = export([str(hf_folders["llama"]), "-o", str(folder), "--int4", "--samples", "8"])
+    assert code == 0, out + err
+    proto = onnx.load(str(folder / MODEL_FILE))
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 2 * 7 + 1  # q k v o gate up down, lm_head
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in
+                {i.name for i in proto.graph.initializer}]
+    report = json.loads((folder / REPORT_FILE).read_text())
+    assert report["precision"] == "int4" and report["passed"]  # deltas reported, not enforced
+    stats = report["validation"]["ORT_ENABLE_ALL"]
+    assert stats["max_abs"] > 0 and 0 <= stats["next_token_agreement"] <= 1 and stats["nan_count"] == 0
+    genai = report["validation"]["genai"]
+    assert genai["prompts"] and 0 <= genai["function_bodies"]["token_agreement"] <= 1
+    assert "int4: deltas reported, not enforced" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--int4"], "--int4: only for the onnxruntime-genai folder export"),
+    (["-o", "{tmp}/out", "--int8"], "--int8: not available for the onnxruntime-genai folder export"),
+    (["-o", "{tmp}/out", "--dict", "{tmp}/dict.txt"], "--dict apply to checkpoint files"),
+])
+def test_unsupported_options_exit_2_naming_them(args: list[str], needle: str, hf_folders: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    code, out, err = export([str(hf_folders["qwen2"]), *(a.format(tmp=tmp_path) for a in args)])
+    assert code == 2 and needle in err, out + err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_broken_folder_exits_2_and_writes_nothing(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_folders["qwen2"], broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "missing.safetensors"
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, out, err = export([str(broken), "-o", str(tmp_path / "out")])
+    assert code == 2 and "missing.safetensors" in err, out + err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
