@@ -32,6 +32,7 @@ from service.errors import MODEL_CALL, ServiceError, bad_request, error_response
 from service.generation import GenSequence, TokenLogprobs
 from service.lifecycle import Tracker
 from service.openai_api import (
+    Bias,
     CompletionRequest,
     StreamOptions,
     _all_done,
@@ -43,6 +44,7 @@ from service.openai_api import (
     _timing,
     _utf8,
     choice_counts,
+    logit_bias,
     read_json_object,
     sampling_params,
     step_reader,
@@ -88,9 +90,16 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
     min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
-    presence_penalty: float | None = Field(0.0, description="not supported: must be 0")
-    frequency_penalty: float | None = Field(0.0, description="not supported: must be 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    # Penalties and logit_bias as on /v1/completions (service.sampler).
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                           description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                            description="subtracted per occurrence of each token generated so far")
+    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
+        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
+        "ones multiplied"))
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                 "added to its logit")
     # Structured output (service.structured, as on /v1/completions), at most one of these.
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
@@ -106,11 +115,7 @@ class ChatCompletionRequest(BaseModel):
 
 
 def unsupported_fields(req: ChatCompletionRequest) -> None:
-    """400 naming the first field set that this server does not implement (never accepted and ignored)."""
-    for name, used in (("presence_penalty", bool(req.presence_penalty)),
-                       ("frequency_penalty", bool(req.frequency_penalty)), ("logit_bias", bool(req.logit_bias))):
-        if used:
-            raise bad_request(f"{name} is not supported by this server", name, code="unsupported_parameter")
+    """400 naming the first undeclared field that is not known to change nothing (never accepted and ignored)."""
     fields.refuse_undeclared(req.model_extra, fields.CHAT_NOT_SUPPORTED)
 
 
@@ -174,7 +179,8 @@ def as_completion(req: ChatCompletionRequest, prompt: list[int]) -> CompletionRe
         model=req.model, prompt=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, n=req.n, best_of=None, stream=req.stream, stream_options=req.stream_options, stop=req.stop,
         seed=req.seed, echo=False, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
 
 
 async def read_chat(request: Request, runtimes: Runtimes) -> ChatCompletionRequest:
@@ -240,7 +246,8 @@ async def chat_completions(request: Request) -> Response:
         n, _ = choice_counts(creq, 1, settings)
         changed = asyncio.Event()
         try:
-            params = sampling_params(creq, len(prompt), rt.context_length, rt.context_length)
+            params = sampling_params(creq, len(prompt), rt.context_length, rt.context_length,
+                                     logit_bias(creq, rt.tokenizer.vocab_size))
         except ServiceError as exc:
             if exc.param == "prompt":
                 exc.param = "messages"  # the chat's prompt is its rendered messages

@@ -204,10 +204,12 @@ TOO_LONG = [{"role": "user", "content": "MultiMax " * 200}]
     ({"messages": MESSAGES, "guided_regex": "[0-9"}, "guided_regex", "regex"),
     ({"messages": MESSAGES, "guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "combined"),
     ({"messages": MESSAGES, "guided_choice": ["a"], "ignore_eos": True}, "ignore_eos", "combined"),
-    ({"messages": MESSAGES, "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"messages": MESSAGES, "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"messages": MESSAGES, "logit_bias": {"99999": 5}}, "logit_bias", "not a token id"),
     ({"messages": MESSAGES, "reasoning_effort": "high"}, "reasoning_effort", "not supported"),
     ({"messages": MESSAGES, "modalities": ["text", "audio"]}, "modalities", "not supported"),
-    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"messages": MESSAGES, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": MESSAGES, "min_p": 0.1}, "min_p", "not supported"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"messages": TOO_LONG}, "messages", "maximum context length is 256 tokens, and the prompt alone has"),
     ({"messages": MESSAGES, "max_tokens": 1000}, "max_tokens", "maximum context length is 256 tokens"),
@@ -274,6 +276,20 @@ def test_json_schema_chat_is_schema_valid(client: Any, seed: int) -> None:
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one lump
     assert chunks[-1].choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_penalties_and_logit_bias_change_the_chat(client: Any, repo: Path) -> None:
+    """As on /v1/completions: logit_bias +100 on one token makes greedy content that token only; a repetition
+    penalty changes a greedy answer that repeats."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(repo / CHAT))
+    token = tok.convert_tokens_to_ids(tok.tokenize("a")[0])
+    r = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "a" * 6
+    plain = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=24, temperature=0)
+    penalised = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=24, temperature=0,
+                                               frequency_penalty=2.0, extra_body={"repetition_penalty": 2.0})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
 
 
 def test_json_object_and_guided_choice_chat(client: Any) -> None:
