@@ -5,13 +5,14 @@ encoded without adding special tokens (the template writes them), and generated 
 loop as /v1/completions, with the same sampling options (n, seed, temperature, top_p, stop, max_tokens or
 max_completion_tokens, logprobs + top_logprobs, vLLM's ignore_eos / min_tokens / top_k). A stream sends the
 role first, then the content as it is complete (one chunk per decode step), then the finish reason, then usage
-(stream_options.include_usage). Unknown fields are refused with 400 naming them; the OpenAI fields this server
-does not implement are refused in one place, `unsupported_fields`.
+(stream_options.include_usage). Structured output (response_format, guided_*) is `service.structured`, as on
+/v1/completions; undeclared fields are judged by `service.fields` (tools and unimplemented fields: 400).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -24,13 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from service import choices
+from service import choices, fields, structured
 from service.chat_template import ChatTemplateError, render
 from service.endpoint import count_refused, model_call, model_endpoint
 from service.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.generation import GenSequence, TokenLogprobs
 from service.lifecycle import Tracker
 from service.openai_api import (
+    Bias,
     CompletionRequest,
     StreamOptions,
     _all_done,
@@ -42,6 +44,7 @@ from service.openai_api import (
     _timing,
     _utf8,
     choice_counts,
+    logit_bias,
     read_json_object,
     sampling_params,
     step_reader,
@@ -66,8 +69,10 @@ Stop = Annotated[str, Field(max_length=256)]
 
 
 class ChatCompletionRequest(BaseModel):
-    # Strict and closed: a misspelt or unknown field is a 400 naming it, never silently ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Strict: "10", "true" are not numbers or booleans. Undeclared fields are judged by service.fields as on
+    # /v1/completions: those that change nothing pass, tools and known unimplemented fields are 400
+    # unsupported_parameter, anything else (a typo) 400 unknown_parameter; never accepted and ignored.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
@@ -85,52 +90,33 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
     min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
-    # Fields that do not change the output: accepted.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    # OpenAI / vLLM fields that change the output and are not implemented here: refused by `unsupported_fields`.
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_choice: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-
-
-# What /v1/chat/completions does not implement: structured output, tools and penalties are another module's
-# work. Each is refused with 400 naming it when it is set to anything but its neutral value.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,), "guided_grammar": (None,),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-    "reasoning_effort": (None,), "web_search_options": (None,),
-}
+    # Penalties and logit_bias as on /v1/completions (service.sampler).
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                           description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                            description="subtracted per occurrence of each token generated so far")
+    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
+        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
+        "ones multiplied"))
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                 "added to its logit")
+    # Structured output (service.structured, as on /v1/completions), at most one of these.
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}: the content is valid JSON (matching the schema)')
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema to match")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the content is one of these")
+    guided_regex: str | None = Field(None, description="extension (vLLM): the content matches this regex")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): the content matches this Lark/GBNF "
+                                       "grammar")
+    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM): JSON whitespace regex")
+    guided_decoding_backend: str | None = Field(
+        None, description="extension (vLLM): accepted, but the engine is always llguidance")
 
 
 def unsupported_fields(req: ChatCompletionRequest) -> None:
-    """400 naming the first field set that this server does not implement (never accepted and ignored)."""
-    for name, neutral in _NEUTRAL.items():
-        value = getattr(req, name)
-        if not any(value == v and type(value) is type(v) for v in neutral):
-            raise bad_request(f"{name} is not supported by this server", name, code="unsupported_parameter")
+    """400 naming the first undeclared field that is not known to change nothing (never accepted and ignored)."""
+    fields.refuse_undeclared(req.model_extra, fields.CHAT_NOT_SUPPORTED)
 
 
 # ---- request -> prompt --------------------------------------------------------------------------------------
@@ -193,7 +179,8 @@ def as_completion(req: ChatCompletionRequest, prompt: list[int]) -> CompletionRe
         model=req.model, prompt=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, n=req.n, best_of=None, stream=req.stream, stream_options=req.stream_options, stop=req.stop,
         seed=req.seed, echo=False, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
 
 
 async def read_chat(request: Request, runtimes: Runtimes) -> ChatCompletionRequest:
@@ -259,11 +246,18 @@ async def chat_completions(request: Request) -> Response:
         n, _ = choice_counts(creq, 1, settings)
         changed = asyncio.Event()
         try:
-            params = sampling_params(creq, len(prompt), rt.context_length, rt.context_length)
+            params = sampling_params(creq, len(prompt), rt.context_length, rt.context_length,
+                                     logit_bias(creq, rt.tokenizer.vocab_size))
         except ServiceError as exc:
             if exc.param == "prompt":
                 exc.param = "messages"  # the chat's prompt is its rendered messages
             raise
+        asked = dict(req)
+        # A grammar compiles in the engine (up to ~100 ms for a big schema): off the event loop.
+        processors = (await asyncio.to_thread(structured.processors_for, asked, rt.tokenizer)
+                      if structured.requested(asked) else structured.processors_for(asked, rt.tokenizer))
+        if processors:
+            params = dataclasses.replace(params, processors=processors)
         seqs = choices.expand([prompt], [params], n, changed)[0]
         rt.scheduler.submit(seqs)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,

@@ -49,6 +49,26 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 
 
+# /v1/chat/completions' own known fields (OpenAI's and vLLM's chat extensions) that change the output and are not
+# implemented, on top of NOT_SUPPORTED; "modalities": ["text"] is what the server does anyway and passes.
+CHAT_NOT_SUPPORTED: dict[str, str] = {
+    **{k: v for k, v in NOT_SUPPORTED.items() if k != "top_logprobs"},
+    "modalities": "not supported by this server beyond [\"text\"]",
+    "audio": "not supported by this server (text only)",
+    "prediction": "not supported by this server",
+    "reasoning_effort": "not supported by this server",
+    "web_search_options": "not supported by this server",
+    "echo": "not supported on chat completions by this server",
+    "add_generation_prompt": "not supported by this server (the generation prompt is always added)",
+    "continue_final_message": "not supported by this server",
+    "chat_template": "not supported by this server (the model's own template is used)",
+    "chat_template_kwargs": "not supported by this server",
+    "documents": "not supported by this server",
+    "mm_processor_kwargs": "not supported by this server (text only)",
+}
+NEUTRAL: dict[str, object] = {"modalities": ["text"]}  # values of known fields that ask for the default
+
+
 def _used(value: Any) -> bool:
     return value is not None and value != [] and value != {}
 
@@ -62,7 +82,7 @@ def refuse_tools(fields: Mapping[str, Any]) -> None:
                               code="unsupported_parameter")
 
 
-def refuse_undeclared(extra: Mapping[str, Any] | None) -> None:
+def refuse_undeclared(extra: Mapping[str, Any] | None, not_supported: Mapping[str, str] = NOT_SUPPORTED) -> None:
     """400 naming the first undeclared field that is not known to change nothing: tool calling and known
     output-changing fields as "not supported", anything else as unknown (a typo must not pass unnoticed)."""
     if not extra:
@@ -71,8 +91,8 @@ def refuse_undeclared(extra: Mapping[str, Any] | None) -> None:
     for name, value in extra.items():
         if name in NO_EFFECT or name in TOOL_FIELDS:
             continue
-        if name in NOT_SUPPORTED:
-            if value is None:  # explicitly unset: the default behaviour
+        if name in not_supported:
+            if value is None or (name in NEUTRAL and value == NEUTRAL[name]):  # unset, or the default behaviour
                 continue
-            raise bad_request(f"{name} is {NOT_SUPPORTED[name]}", name, code="unsupported_parameter")
+            raise bad_request(f"{name} is {not_supported[name]}", name, code="unsupported_parameter")
         raise bad_request(f"unknown field {name!r}", name, code="unknown_parameter")

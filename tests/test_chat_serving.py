@@ -196,10 +196,20 @@ TOO_LONG = [{"role": "user", "content": "MultiMax " * 200}]
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "text"),
     ({"messages": []}, "messages", "at least 1"),
-    ({"messages": MESSAGES, "temprature": 0.5}, "temprature", "Extra inputs are not permitted"),
+    ({"messages": MESSAGES, "temprature": 0.5}, "temprature", "unknown field"),
     ({"messages": MESSAGES, "temperature": "0.5"}, "temperature", "valid number"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice", "not supported"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+    ({"messages": MESSAGES, "guided_regex": "[0-9"}, "guided_regex", "regex"),
+    ({"messages": MESSAGES, "guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "combined"),
+    ({"messages": MESSAGES, "guided_choice": ["a"], "ignore_eos": True}, "ignore_eos", "combined"),
+    ({"messages": MESSAGES, "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"messages": MESSAGES, "logit_bias": {"99999": 5}}, "logit_bias", "not a token id"),
+    ({"messages": MESSAGES, "reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+    ({"messages": MESSAGES, "modalities": ["text", "audio"]}, "modalities", "not supported"),
+    ({"messages": MESSAGES, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": MESSAGES, "min_p": 0.1}, "min_p", "not supported"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"messages": TOO_LONG}, "messages", "maximum context length is 256 tokens, and the prompt alone has"),
     ({"messages": MESSAGES, "max_tokens": 1000}, "max_tokens", "maximum context length is 256 tokens"),
@@ -218,6 +228,82 @@ def test_bad_requests_are_400_in_openais_shape(client: Any, body: dict[str, Any]
     assert error["param"].startswith(param) and error["type"] == "invalid_request_error"
     if "prompt alone" in needle:  # both lengths named
         assert int(error["message"].rsplit(" ", 1)[1]) > 256
+
+
+def test_bad_field_codes_match_completions(url: str) -> None:
+    """The field audit is /v1/completions': unimplemented fields are unsupported_parameter, typos unknown_parameter,
+    and fields that change nothing (or ask for the default) pass."""
+    def post(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"model": CHAT, "messages": MESSAGES,
+                                                                 "max_tokens": 2} | body),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+
+    for body, code in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter"),
+                       ({"min_p": 0.1}, "unsupported_parameter"), ({"frobnicate": 1}, "unknown_parameter")):
+        status, error = post(body)
+        assert status == 400 and error["error"]["code"] == code, error
+    for body in ({"user": "u", "metadata": {"k": "v"}, "request_id": "r", "priority": 0},
+                 {"tool_choice": "none", "tools": []}, {"modalities": ["text"], "response_format": {"type": "text"}},
+                 {"min_p": None, "guided_decoding_backend": "xgrammar"}):
+        status, answer = post(body)
+        assert status == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop"), (body, answer)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "tag", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_json_schema_chat_is_schema_valid(client: Any, seed: int) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    r = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=80, seed=seed, n=2,
+                                       response_format=fmt, extra_body={"guided_whitespace_pattern": ""})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    # The same stream: role, content deltas that join to schema-valid JSON, finish_reason stop.
+    stream = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=80, seed=seed, stream=True,
+                                            response_format=fmt, extra_body={"guided_whitespace_pattern": ""})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one lump
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_penalties_and_logit_bias_change_the_chat(client: Any, repo: Path) -> None:
+    """As on /v1/completions: logit_bias +100 on one token makes greedy content that token only; a repetition
+    penalty changes a greedy answer that repeats."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(repo / CHAT))
+    token = tok.convert_tokens_to_ids(tok.tokenize("a")[0])
+    r = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "a" * 6
+    plain = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=24, temperature=0)
+    penalised = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=24, temperature=0,
+                                               frequency_penalty=2.0, extra_body={"repetition_penalty": 2.0})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+
+
+def test_json_object_and_guided_choice_chat(client: Any) -> None:
+    r = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=60, seed=3,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"guided_whitespace_pattern": ""})
+    choice = r.choices[0]
+    if choice.finish_reason == "stop":  # a random model may write a long object; cut by length is not JSON
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.message.content.startswith("{")
+    r = client.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=10, seed=4, n=3,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert all(c.message.content in ("yes", "no", "maybe") and c.finish_reason == "stop" for c in r.choices)
 
 
 def test_a_template_that_accepts_the_conversation_answers(client: Any) -> None:

@@ -1,0 +1,376 @@
+"""Decode speed of one onnxruntime-genai folder three ways, side by side, same threads, interleaved rounds:
+
+    genai   onnxruntime-genai's own loop on the folder: `og.Generator` for one stream, one batched `og.Generator`
+            (equal-length prompts) for 4 and 16; `og.Engine` is checked for correct text with prompts of different
+            lengths and used instead where it gives the Generator's text
+    server  `python -m service --model-dir` on 127.0.0.1 serving the folder, N concurrent streamed /v1/completions
+            (token-id prompts, greedy, ignore_eos, fixed max_tokens)
+    direct  the server's backend (service.model_folders.GenaiTextBackend over the same model.onnx) in a bare
+            batched greedy loop: what the server's decode costs without HTTP, scheduler or sampler
+
+    python -m benchmarks.genai_vs_server DIR [--threads 2] [--streams 1,4,16] [--rounds 3] [--max-tokens 64]
+
+Each figure is output tokens/s over all streams (N x max_tokens / wall time from the first send to the last
+token), with time to first token and inter-token latency (gaps between a stream's tokens; the server's are
+between its SSE events, one per decode step) p50/p99 beside it. The ratios are medians of per-round ratios, so a
+slow moment of a shared machine hits both sides of one ratio alike. Exit status 2 with one line for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.server import free_port
+
+
+@dataclass
+class Run:
+    """One measurement: N streams' token times."""
+
+    streams: int
+    tokens: int
+    wall: float
+    ttft: list[float] = field(default_factory=list)  # seconds, one per stream
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens of a stream
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall
+
+
+def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """n token-id prompts of `length` tokens (ids 32..126 when the vocabulary has them: text of the byte demos)."""
+    rng = np.random.default_rng(seed)
+    low, high = (32, 127) if vocab > 127 else (0, vocab)
+    return [rng.integers(low, high, length).tolist() for _ in range(n)]
+
+
+# ---- onnxruntime-genai ----------------------------------------------------------------------------------------
+
+
+def genai_model(folder: Path, threads: int) -> Any:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    return og.Model(config)
+
+
+def genai_generator(model: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
+    """One `og.Generator` over the batch (equal-length prompts: it has no per-row prompt lengths), greedy."""
+    import onnxruntime_genai as og
+
+    length = len(batch[0])
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, batch_size=len(batch), max_length=length + max_tokens,
+                              min_length=length + max_tokens)
+    start = time.perf_counter()
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(batch, dtype=np.int32))
+    times: list[float] = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        times.append(time.perf_counter())
+    wall = times[-1] - start
+    out = [list(gen.get_sequence(i))[length:] for i in range(len(batch))]
+    run = Run(len(batch), sum(len(o) for o in out), wall, [times[0] - start] * len(batch),
+              [b - a for a, b in itertools.pairwise(times)] * len(batch))
+    return run, out
+
+
+def genai_engine(model: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
+    """`og.Engine` (onnxruntime-genai's continuous batching) with one request per prompt, greedy."""
+    import onnxruntime_genai as og
+
+    engine = og.Engine(model)
+    start = time.perf_counter()
+    requests = []
+    for p in batch:
+        req = engine.create_request()
+        opts = og.TurnOptions(req)
+        opts.set_do_sample(False)
+        opts.set_max_generated_tokens(max_tokens)
+        opts.set_min_generated_tokens(max_tokens)
+        req.begin_turn(np.asarray(p, dtype=np.int32), opts)
+        requests.append(req)
+    index = {id(r): i for i, r in enumerate(requests)}
+    tokens: list[list[int]] = [[] for _ in batch]
+    stamps: list[list[float]] = [[] for _ in batch]
+    buffer = engine.create_event_buffer(4 * len(batch) + 16)
+    while engine.has_pending_requests():
+        events = engine.run(buffer) or []
+        now = time.perf_counter()
+        for ev in events:
+            i = _request_index(ev.request, requests, index)
+            if i is not None and ev.token is not None and ev.token >= 0:
+                tokens[i].append(int(ev.token))
+                stamps[i].append(now)
+    wall = max(s[-1] for s in stamps if s) - start
+    run = Run(len(batch), sum(len(t) for t in tokens), wall, [s[0] - start for s in stamps if s],
+              [b - a for s in stamps for a, b in itertools.pairwise(s)])
+    for r in requests:
+        r.close()
+    return run, tokens
+
+
+def _request_index(request: Any, requests: list[Any], index: dict[int, int]) -> int | None:
+    if id(request) in index:
+        return index[id(request)]
+    for i, r in enumerate(requests):  # the binding may hand back a new wrapper of the same request
+        if r == request:
+            return i
+    return None
+
+
+def engine_is_correct(model: Any, vocab: int, max_tokens: int) -> tuple[bool, str]:
+    """Does og.Engine give each prompt the Generator's own greedy text when prompts of different lengths share
+    its batch?"""
+    batch = [p[:n] for p, n in zip(prompts(vocab, 4, 40, 7), (40, 9, 23, 3), strict=True)]
+    try:
+        _, together = genai_engine(model, batch, max_tokens)
+    except Exception as exc:  # an engine that fails is as unusable as one that is wrong
+        return False, f"og.Engine failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    alone = [genai_generator(model, [p], max_tokens)[1][0] for p in batch]
+    wrong = [i for i, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b]
+    if wrong:
+        return False, (f"og.Engine's greedy tokens differ from og.Generator's for prompts of lengths "
+                       f"{[len(batch[i]) for i in wrong]} batched with lengths {[len(p) for p in batch]}")
+    return True, "og.Engine gives og.Generator's greedy tokens for prompts of lengths 40, 9, 23, 3 together"
+
+
+# ---- the server's backend in a bare loop -----------------------------------------------------------------------
+
+
+def direct_backend(folder: Path, threads: int) -> Any:
+    from service.config import Settings
+    from service.model_folders import load_genai_folder
+
+    return load_genai_folder(folder.name, folder, Settings(intra_op_threads=threads)).backend
+
+
+def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
+    """Prefill the batch in one call, then one batched decode call a token, greedy (argmax)."""
+    ids = np.asarray(batch, dtype=np.int64)
+    b, length = ids.shape
+    start = time.perf_counter()
+    mask = np.ones((b, length), dtype=np.int64)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int64), (b, length))
+    logits, past = backend.run_text(ids, mask, positions, backend.empty_past(b))
+    out: list[list[int]] = [[] for _ in range(b)]
+    times = []
+    for step in range(max_tokens):
+        nxt = backend.to_numpy(logits)[:, -1].argmax(axis=-1)
+        for i, t in enumerate(nxt.tolist()):
+            out[i].append(int(t))
+        times.append(time.perf_counter())
+        if step == max_tokens - 1:
+            break
+        mask = np.ones((b, length + step + 1), dtype=np.int64)
+        pos = np.full((b, 1), length + step, dtype=np.int64)
+        logits, past = backend.run_text(nxt.astype(np.int64)[:, None], mask, pos, past)
+    run = Run(b, b * max_tokens, times[-1] - start, [times[0] - start] * b,
+              [y - x for x, y in itertools.pairwise(times)] * b)
+    return run, out
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def server(folder: Path, threads: int, extra: list[str]) -> Iterator[str]:
+    """`python -m service --model-dir` over a directory holding only (a link to) the folder."""
+    repo = Path(tempfile.mkdtemp(prefix="genai-vs-server-"))
+    (repo / folder.name).symlink_to(folder.resolve(), target_is_directory=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "service", "--model-dir", str(repo), "--host", "127.0.0.1", "--port", str(port),
+           "--intra-op-threads", str(threads), "--inter-op-threads", "1", "--max-running-sequences", "64", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc, folder.name)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[str], name: str) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited ({proc.returncode}): "
+                             f"{(proc.stderr.read() if proc.stderr else '')[-500:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models/{name}", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("error: the server did not become ready in 600 s")
+
+
+async def _stream(session: Any, url: str, name: str, prompt: list[int], max_tokens: int, start: float,
+                  sink: list[tuple[float, list[float], int]]) -> None:
+    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    stamps: list[float] = []
+    tokens = 0
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise SystemExit(f"error: the server answered {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                if event["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+            elif event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    sink.append((stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)], tokens))
+
+
+def server_run(base: str, name: str, batch: list[list[int]], max_tokens: int) -> Run:
+    import aiohttp
+
+    async def main() -> Run:
+        sink: list[tuple[float, list[float], int]] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            start = time.perf_counter()
+            await asyncio.gather(*(_stream(session, f"{base}/v1/completions", name, p, max_tokens, start, sink)
+                                   for p in batch))
+            wall = time.perf_counter() - start
+        return Run(len(batch), sum(s[2] for s in sink), wall, [s[0] for s in sink], [g for s in sink for g in s[1]])
+
+    return asyncio.run(main())
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+
+
+def summary(runs: list[Run]) -> dict[str, float]:
+    ttft = [t for r in runs for t in r.ttft]
+    gaps = [g for r in runs for g in r.gaps]
+    return {"tok_s": statistics.median(r.tok_s for r in runs), "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99)}
+
+
+def _first(fn: Callable[..., tuple[Run, list[list[int]]]], *args: Any) -> Run:
+    return fn(*args)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.genai_vs_server", description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path, help="an onnxruntime-genai folder (genai_config.json, model.onnx, ...)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every session (default 2)")
+    ap.add_argument("--streams", default="1,4,16", help="concurrent streams, comma-separated (default 1,4,16)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens a stream (default 64)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` option")
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args(argv)
+    try:
+        counts = [int(s) for s in args.streams.split(",")]
+    except ValueError:
+        ap.error(f"--streams: not a comma-separated list of integers: {args.streams!r}")
+    if not (args.folder / "genai_config.json").is_file():
+        print(f"error: {args.folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+        return 2
+    if min(counts) < 1 or args.rounds < 1 or args.threads < 1 or args.prompt_len < 1 or args.max_tokens < 2:
+        ap.error("--streams, --rounds, --threads, --prompt-len must be >= 1 and --max-tokens >= 2")
+    folder = args.folder.resolve()
+    cfg = json.loads((folder / "genai_config.json").read_text())["model"]
+    vocab, context = int(cfg["vocab_size"]), int(cfg["context_length"])
+    if args.prompt_len + args.max_tokens > context:
+        print(f"error: --prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} is over the model's "
+              f"context of {context}", file=sys.stderr)
+        return 2
+
+    model = genai_model(folder, args.threads)
+    ok, why = engine_is_correct(model, vocab, 16)
+    print(f"og.Engine: {why}", flush=True)
+    backend = direct_backend(folder, args.threads)
+    genai_batched: Callable[..., tuple[Run, list[list[int]]]] = genai_engine if ok else genai_generator
+    results: dict[str, dict[int, list[Run]]] = {"genai": {}, "server": {}, "direct": {}}
+    ratios: dict[str, dict[int, list[float]]] = {"server/genai": {}, "server/direct": {}}
+    with server(folder, args.threads, args.server_arg) as base:
+        # Warm-up and a correctness check: every way gives the same greedy tokens for one prompt.
+        p = prompts(vocab, 1, args.prompt_len, 0)
+        ref = genai_generator(model, p, 8)[1][0]
+        direct = direct_loop(backend, p, 8)[1][0]
+        server_run(base, folder.name, p, 8)
+        print(f"greedy tokens agree (og.Generator vs the server's backend): {ref == direct}", flush=True)
+        for rnd in range(args.rounds):
+            for n in counts:
+                batch = prompts(vocab, n, args.prompt_len, 1000 * rnd + n)
+                ways: dict[str, Callable[[], Run]] = {
+                    "genai": partial(_first, genai_generator if n == 1 else genai_batched, model, batch,
+                                     args.max_tokens),
+                    "server": partial(server_run, base, folder.name, batch, args.max_tokens),
+                    "direct": partial(_first, direct_loop, backend, batch, args.max_tokens)}
+                order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
+                got = {k: ways[k]() for k in order}
+                for k, run in got.items():
+                    results[k].setdefault(n, []).append(run)
+                ratios["server/genai"].setdefault(n, []).append(got["server"].tok_s / got["genai"].tok_s)
+                ratios["server/direct"].setdefault(n, []).append(got["server"].tok_s / got["direct"].tok_s)
+                print(f"round {rnd + 1} streams {n}: " + ", ".join(f"{k} {r.tok_s:.0f} tok/s" for k, r in
+                                                                     got.items()), flush=True)
+    load = os.getloadavg()
+    report = {"folder": folder.name, "threads": args.threads, "prompt_len": args.prompt_len,
+              "max_tokens": args.max_tokens, "rounds": args.rounds, "engine_correct": ok, "engine_check": why,
+              "genai_batched": "og.Engine" if ok else "og.Generator (batched, equal-length prompts)",
+              "load_average": [round(x, 2) for x in load],
+              "results": {k: {n: summary(v) for n, v in d.items()} for k, d in results.items()},
+              "ratios": {k: {n: statistics.median(v) for n, v in d.items()} for k, d in ratios.items()}}
+    print(f"\n{folder.name}: {args.threads} intra-op threads, prompt {args.prompt_len}, {args.max_tokens} tokens a "
+          f"stream, median of {args.rounds} rounds; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print("| streams | way | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|")
+    for n in counts:
+        for k in ("genai", "server", "direct"):
+            s = report["results"][k][n]
+            print(f"| {n} | {k} | {s['tok_s']:.0f} | {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} | "
+                  f"{s['itl_p50_ms']:.2f} / {s['itl_p99_ms']:.2f} |")
+    for n in counts:
+        print(f"streams {n}: server/genai {report['ratios']['server/genai'][n]:.2f}, "
+              f"server/direct {report['ratios']['server/direct'][n]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""benchmarks/genai_vs_server.py: the three ways generate the same greedy tokens, a short run reports every figure,
+and bad input exits 2 with one line (timings are never asserted)."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+og = pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("aiohttp")
+
+from benchmarks import genai_vs_server as bench  # noqa: E402
+from export.cli import main as export_main  # noqa: E402
+
+DEMO_TEXT = Path(__file__).resolve().parents[1] / "models" / "demo" / "text_multimax.pt"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gvs") / "text-genai"
+    with redirect_stdout(io.StringIO()):
+        assert export_main([str(DEMO_TEXT), "-o", str(out), "--samples", "4", "--quiet"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_genai_and_the_direct_loop_generate_the_same_tokens(folder: Path) -> None:
+    model = bench.genai_model(folder, 1)
+    backend = bench.direct_backend(folder, 1)
+    batch = bench.prompts(259, 4, 12, 0)
+    run, theirs = bench.genai_generator(model, batch, 10)
+    direct, ours = bench.direct_loop(backend, batch, 10)
+    assert theirs == ours and all(len(t) == 10 for t in ours)
+    assert run.tokens == direct.tokens == 40 and len(run.gaps) == len(direct.gaps) == 4 * 9
+    ok, why = bench.engine_is_correct(model, 259, 8)
+    assert isinstance(ok, bool) and ("og.Engine" in why)
+
+
+@pytest.mark.slow
+def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    assert bench.main([str(folder), "--threads", "1", "--streams", "1,2", "--rounds", "1", "--prompt-len", "4",
+                       "--max-tokens", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for way in ("genai", "server", "direct"):
+        for n in ("1", "2"):
+            figures = report["results"][way][n]
+            assert figures["tok_s"] > 0 and figures["ttft_p50_ms"] > 0, (way, n, figures)
+    assert set(report["ratios"]["server/genai"]) == {"1", "2"}
+    assert "greedy tokens agree (og.Generator vs the server's backend): True" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(tmp_path)]) == 2
+    assert "not an onnxruntime-genai folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main([str(tmp_path), "--streams", "1,x"])
+    assert exc.value.code == 2
