@@ -85,7 +85,7 @@ def build_demos(out_dir: Path, seed: int = 0, progress: bool = True,
 
 
 def ensure_demos(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> Path:
-    if rebuild or not all((demo_dir / f).is_file() for f in DEMO_FILES) or not (demo_dir / LLM_DEMO).is_dir():
+    if rebuild or not all((demo_dir / f).is_file() for f in DEMO_FILES):
         print(f"building the demo models in {demo_dir} (a few minutes on 2 cores)")
         build_demos(demo_dir)
     return demo_dir
@@ -129,6 +129,9 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
 
     from models.hf_folder import load_folder
 
+    if not (demo_dir / LLM_DEMO).is_dir():
+        print(f"\n(no demo LLM in {demo_dir / LLM_DEMO}: python -m models.training train demos --only llm --threads 2)")
+        return 0
     llm, folder = load_folder(demo_dir / LLM_DEMO)
     loss = json.loads((demo_dir / "report.json").read_text()).get(LLM_DEMO, {}).get("heldout_loss")
     print(f"\ntext generation: {LLM_DEMO} (Llama with a SegLU head, BPE tokenizer; held-out {loss:.3f} nats/token), "

@@ -76,13 +76,13 @@ def heldout_loss(model: Llama, data: torch.Tensor, seq_len: int, batch_size: int
 
 def train_llm(
     *,
-    steps: int = 140,
+    steps: int = 500,
     seed: int = 0,
     batch_size: int = 16,
     seq_len: int = 128,
     vocab_size: int = 4096,
     lr: float = 5e-3,
-    warmup: int = 20,
+    warmup: int = 40,
     weight_decay: float = 0.1,
     multimax_lr_scale: float = 0.1,
     sample_tokens: int = 48,
