@@ -160,6 +160,17 @@ def word_level_for_genai(word_level: dict[str, Any]) -> dict[str, Any] | None:
     fairseq normalises it: leading or trailing whitespace, a word after a newline or tab) is measured by
     export.genai_validate and described in the README. U+2581 stands for whitespace in both, so a text holding it
     is not read as fairseq reads it, and a dictionary with a word holding it keeps its WordLevel file (None).
+
+    Why those differences stay (onnxruntime-extensions 319f8d2, operators/tokenizer/): its regex pre-tokenizer
+    skips the whitespace between matches but returns what follows the last match one character at a time
+    (bpe_utils.hpp, GetNextToken), so trailing whitespace becomes tokens; a text (or the part after an added token)
+    that starts with a space goes to its character-by-character path, which never looks a word up whole
+    (bpe_kernels.cc, SpmTokenize: `special`); only a space becomes U+2581, so a word after a newline has no key.
+    A second key per word (the word without U+2581) would fix the last, but a word's decoded text is whichever of
+    its keys an unordered_map lists last (bpe_tokenizer_model.hpp, id2token_map_): measured, 40% of 50,000 words
+    then decode without their space. A WordLevel file does not load (JsonFastTokenizer reads BPE only; Unigram's
+    Viterbi splits an unknown word into a known prefix and `<unk>`), nor does WordPiece (no tokenizer class maps to
+    it in tokenizer_jsconfig.hpp).
     """
     words: dict[str, int] = word_level["model"]["vocab"]
     if any(SPM_SPACE in w for w in words):
