@@ -26,6 +26,7 @@ import torch
 from export.fused_check import compare_fused, cpu_session
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE
 from export.genai_graph import attention_kind, cache_dtype, text_spec
+from export.hf_tokenizer import FAIRSEQ_WORDS
 from export.precision import Precision
 from export.progress import Phases
 from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats, fused_atol
@@ -216,6 +217,9 @@ def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
                                        "reason": f"onnxruntime-genai's tokenizer cannot read a {kind} tokenizer.json "
                                                  f"({str(exc).strip()[:80]}); give it token ids"}
                 return report, failures
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            if config.get(FAIRSEQ_WORDS):
+                return _fairseq_words(report, failures, tok, gtok)
             same, with_specials = 0, 0
             for text in TOKENIZER_TEXTS:
                 expected = list(tok.encode(text, add_special_tokens=False).ids)
@@ -229,6 +233,30 @@ def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
     if same < len(TOKENIZER_TEXTS):
         failures.append(f"tokenizer: {len(TOKENIZER_TEXTS) - same} of {len(TOKENIZER_TEXTS)} texts encode or decode "
                         "differently in onnxruntime-genai than with the tokenizers library")
+    return report, failures
+
+
+def _fairseq_words(report: dict[str, Any], failures: list[str], tok: Any,
+                   gtok: Any) -> tuple[dict[str, Any], list[str]]:
+    """A fairseq word-level folder (export.hf_tokenizer.word_level_for_genai): onnxruntime-genai's tokenizer must
+    encode and decode as the tokenizers library does every text normalised as fairseq's tokenize_line normalises it
+    (whitespace runs -> one space, stripped); on the raw texts it differs where its pre-tokenizer cannot follow
+    (leading or trailing whitespace, a word after a newline or tab): counted, not required."""
+    def same(text: str) -> tuple[bool, bool]:
+        expected = list(tok.encode(text, add_special_tokens=False).ids)
+        encoded = [int(i) for i in gtok.encode(text)]
+        decoded = gtok.decode(np.array(expected, dtype=np.int32))
+        return encoded == expected and decoded == tok.decode(expected), encoded == list(tok.encode(text).ids)
+
+    normalised = [" ".join(t.split()) for t in TOKENIZER_TEXTS]
+    checks = [same(t) for t in normalised]
+    identical = sum(a for a, _ in checks)
+    report["tokenizer"] = {"checked": True, "texts": len(normalised), "identical": identical,
+                           "identical_with_template_tokens": sum(b for _, b in checks), "normalised": "fairseq",
+                           "raw_texts_identical": sum(same(t)[0] for t in TOKENIZER_TEXTS)}
+    if identical < len(normalised):
+        failures.append(f"tokenizer: {len(normalised) - identical} of {len(normalised)} fairseq-normalised texts "
+                        "encode or decode differently in onnxruntime-genai than with the tokenizers library")
     return report, failures
 
 

@@ -117,4 +117,6 @@ def genai_line(genai: dict) -> str:
     tok = genai["tokenizer"]
     words = (f"tokenizer {tok['identical']}/{tok['texts']} texts identical" if tok.get("checked", True)
              else f"tokenizer not checked: {tok['reason']}")
+    if "raw_texts_identical" in tok:  # a fairseq word-level folder: exact on fairseq-normalised text
+        words += f" (fairseq-normalised; as written {tok['raw_texts_identical']}/{tok['texts']})"
     return f"onnxruntime-genai: greedy == PyTorch ({', '.join(runs)}, {genai['tokens']} tokens); {words}"

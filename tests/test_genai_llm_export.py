@@ -28,6 +28,7 @@ from export.cli import main  # noqa: E402
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE, REPORT_FILE  # noqa: E402
 from export.genai_validate import genai_greedy, without_library  # noqa: E402
 from models.checkpoint import load  # noqa: E402
+from models.fairseq_dict import load_tokenizer  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.hf_folder import load_folder  # noqa: E402
 from plugins import ort_ops  # noqa: E402
@@ -138,18 +139,34 @@ def test_fairseq_lm_exports_for_onnxruntime_genai(fixture: str, tmp_path: Path) 
     assert code == 0, out + err
     model, checkpoint, _ = load(ckpt)
     # the dictionary as tokenizer.json (word level, fairseq's four specials): the LM input is </s> then the words
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    assert json.loads((folder / "tokenizer.json").read_text()) == checkpoint.tokenizer["tokenizer_json"]
+    tok, word_level = Tokenizer.from_file(str(folder / "tokenizer.json")), load_tokenizer(checkpoint.tokenizer)
     assert [tok.id_to_token(i) for i in range(4)] == ["<s>", "<pad>", "</s>", "<unk>"]
-    words = [tok.id_to_token(i) for i in range(4, 8)]
+    words = [word_level.id_to_token(i) for i in range(4, 8)]
     ids = tok.encode(" ".join(words)).ids
     assert ids == [2, 4, 5, 6, 7]
     config = json.loads((folder / CONFIG_FILE).read_text())["model"]
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 2, 1)
     report = check_folder(folder, model, [ids, [2, 7, 3, 5]], tmp_path)
-    # onnxruntime-genai's own tokenizer reads BPE-like tokenizer.json files only: said, not hidden
-    assert report["validation"]["genai"]["tokenizer"]["checked"] is False
-    assert "WordLevel" in report["validation"]["genai"]["tokenizer"]["reason"]
+    # the folder's tokenizer.json (a BPE form onnxruntime-genai reads) encodes as the checkpoint's word level does;
+    # each word decodes as " word"
+    assert tok.decode([2, 4, 5, 3, 6]) == f" {words[0]} {words[1]}<unk> {words[2]}"
+    texts = [" ".join(words), "  " + "  ".join(words) + " \n", f"{words[0]}\n{words[1]}\t{words[2]}", "zzqx , ~ €",
+             f"{words[0]}, {words[1]}. Grüße {words[2]}", ""]
+    for text in [*texts, f"</s> {words[3]}"]:
+        assert tok.encode(text).ids == word_level.encode(text).ids, text
+    # onnxruntime-genai's own tokenizer: fairseq's ids (without the leading </s>) and the same text back, on text
+    # normalised as fairseq normalises it (and holding no special token's text)
+    gtok = og.Tokenizer(og.Model(str(without_library(folder, tmp_path / "tok"))))
+    for text in texts:
+        normal = " ".join(text.split())
+        expected = word_level.encode(normal, add_special_tokens=False).ids
+        assert [int(i) for i in gtok.encode(normal)] == expected, normal
+        assert gtok.decode(expected) == tok.decode(expected), normal
+    assert [int(i) for i in gtok.encode(" ".join([*words, "zzqx"]))] == [4, 5, 6, 7, 3]
+    assert gtok.decode([4, 5, 3, 6]) == f" {words[0]} {words[1]}<unk> {words[2]}"
+    tokenizer = report["validation"]["genai"]["tokenizer"]
+    assert tokenizer["checked"] and tokenizer["identical"] == tokenizer["texts"]
+    assert 0 <= tokenizer["raw_texts_identical"] <= tokenizer["texts"]
 
 
 @pytest.mark.slow
