@@ -57,7 +57,7 @@ def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
 
 def test_the_walk_finds_the_product_and_resolves_imports() -> None:
     names = {name for name, _ in product_modules()}
-    assert {"models.cli", "export.cli", "service.app", "plugins.selftest", "models.demo"} <= names
+    assert {"models.cli", "export.cli", "service.edge.app", "plugins.selftest", "models.demo"} <= names
     assert not any(is_tool(n) for n in names) and len(names) > 50
     # The checker itself: relative and aliased imports of a tool are caught.
     fake = ROOT / "models" / "_layout_probe.py"

@@ -30,10 +30,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from benchmarks.server import free_port, start, stop, wait_ready
-from service.app import create_app
-from service.config import Settings, build_parser, load_settings
-from service.context import MAX_ID_LENGTH
-from service.logs import configure_logging
+from service.edge.app import create_app
+from service.base.config import Settings, build_parser, load_settings
+from service.base.context import MAX_ID_LENGTH
+from service.base.logs import configure_logging
 
 KEY = "sk-test-0123456789abcdef"
 OTHER_KEY = "sk-other-key-42"
@@ -219,7 +219,7 @@ def test_text_log_format_and_unprintable_paths() -> None:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
     lines = [x for x in buf.getvalue().splitlines() if "[text-1]" in x]
-    assert len(lines) == 1 and "service.access [text-1]: GET /v1/models\\nfake line 404" in lines[0]
+    assert len(lines) == 1 and "service.edge.access [text-1]: GET /v1/models\\nfake line 404" in lines[0]
 
 
 # ---- API keys -----------------------------------------------------------------------------------------------

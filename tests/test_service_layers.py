@@ -2,18 +2,18 @@
 
 Bottom to top:
   base       what every layer shares: settings, metrics, request context, logs, tracing, health, the
-             request-error vocabulary (service.errors: ServiceError, the OpenAI / KServe error bodies) and the
+             request-error vocabulary (service.base.errors: ServiceError, the OpenAI / KServe error bodies) and the
              wire formats (request bodies, bounded JSON, KServe V2 tensors)
   engine     runs models: backends, runtimes, the dynamic batcher, the text scheduler, the sampler, the KV cache,
-             the detokenizers, model loading and checks; it raises its own errors (service.engine_errors) and
+             the detokenizers, model loading and checks; it raises its own errors (service.engine.engine_errors) and
              knows no web framework
   protocols  what a request means: OpenAI, KServe V2, classification, model control; they call the engine and
-             answer its errors with statuses (service.engine_status)
+             answer its errors with statuses (service.protocols.engine_status)
   edge       the HTTP server around them: the app, middleware, auth, cross-site checks, access log, slow clients,
              error handlers, the docs pages, the CLIs (and Ray Serve's replica, which wraps the app)
 
 A new module must be given its layer here (the test names it), so that where it sits is a decision; a module of a
-listed package (service.backends, service.ray, service.tasks) has its package's layer unless listed itself.
+listed package (service.engine.backends, service.ray, service.engine.tasks) has its package's layer unless listed itself.
 Entries marked "(when present)" are modules other branches of this wave add.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from service.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
-from service.engine_status import http_error
+from service.engine.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
+from service.protocols.engine_status import http_error
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("base", "engine", "protocols", "edge")
@@ -31,74 +31,74 @@ ORDER = ("base", "engine", "protocols", "edge")
 LAYER = {
     # base
     "service": "base",
-    "service.access_config": "base",
-    "service.config": "base",
-    "service.context": "base",
-    "service.errors": "base",
-    "service.health": "base",
-    "service.logs": "base",
-    "service.metrics": "base",
-    "service.pngcheck": "base",
-    "service.tracing": "base",
-    "service.bodies": "base",  # wire formats shared by the protocols and the task modules: request bodies,
-    "service.jsonio": "base",  # bounded JSON,
-    "service.kserve_codec": "base",  # KServe V2 tensors (pure numpy)
+    "service.base.access_config": "base",
+    "service.base.config": "base",
+    "service.base.context": "base",
+    "service.base.errors": "base",
+    "service.base.health": "base",
+    "service.base.logs": "base",
+    "service.base.metrics": "base",
+    "service.base.pngcheck": "base",
+    "service.base.tracing": "base",
+    "service.base.bodies": "base",  # wire formats shared by the protocols and the task modules: request bodies,
+    "service.base.jsonio": "base",  # bounded JSON,
+    "service.base.kserve_codec": "base",  # KServe V2 tensors (pure numpy)
     # engine
-    "service.backends": "engine",
-    "service.backends.base": "engine",
-    "service.backends.checks": "engine",
-    "service.backends.onnxruntime": "engine",
-    "service.backends.probe": "engine",
-    "service.backends.tensorrt": "engine",
-    "service.backends.torch": "engine",
-    "service.batcher": "engine",
-    "service.decoding": "engine",
-    "service.detokenizer": "engine",  # incremental detokenization of HF tokenizers (when present)
-    "service.hf_text": "engine",  # (when present) Hugging Face tokenizers
-    "service.jpeg": "engine",  # (when present) JPEG decoding for service.vision
-    "service.model_folders": "engine",  # (when present) loading model folders
-    "service.engine_errors": "engine",
-    "service.entry": "engine",
-    "service.generation": "engine",  # the old names of scheduler, sampler and text_detok, re-exported
-    "service.kvcache": "engine",
-    "service.registry": "engine",
-    "service.runtime": "engine",
-    "service.sampler": "engine",
-    "service.scheduler": "engine",
-    "service.text_detok": "engine",
-    "service.vision": "engine",
-    "service.tasks": "engine",  # (when present) per-task validation, checks, warm-up, runtime and codec
-    "service.warmup": "engine",
+    "service.engine.backends": "engine",
+    "service.engine.backends.base": "engine",
+    "service.engine.backends.checks": "engine",
+    "service.engine.backends.onnxruntime": "engine",
+    "service.engine.backends.probe": "engine",
+    "service.engine.backends.tensorrt": "engine",
+    "service.engine.backends.torch": "engine",
+    "service.engine.batcher": "engine",
+    "service.engine.decoding": "engine",
+    "service.engine.detokenizer": "engine",  # incremental detokenization of HF tokenizers (when present)
+    "service.engine.hf_text": "engine",  # (when present) Hugging Face tokenizers
+    "service.engine.jpeg": "engine",  # (when present) JPEG decoding for service.engine.vision
+    "service.engine.model_folders": "engine",  # (when present) loading model folders
+    "service.engine.engine_errors": "engine",
+    "service.engine.entry": "engine",
+    "service.engine.generation": "engine",  # the old names of scheduler, sampler and text_detok, re-exported
+    "service.engine.kvcache": "engine",
+    "service.engine.registry": "engine",
+    "service.engine.runtime": "engine",
+    "service.engine.sampler": "engine",
+    "service.engine.scheduler": "engine",
+    "service.engine.text_detok": "engine",
+    "service.engine.vision": "engine",
+    "service.engine.tasks": "engine",  # (when present) per-task validation, checks, warm-up, runtime and codec
+    "service.engine.warmup": "engine",
     # protocols
-    "service.chat_api": "protocols",  # (when present)
-    "service.chat_template": "protocols",  # (when present)
-    "service.choices": "protocols",
-    "service.classify": "protocols",
-    "service.control": "protocols",
-    "service.endpoint": "protocols",
-    "service.engine_status": "protocols",
-    "service.fields": "protocols",  # (when present) request fields' status
-    "service.kserve": "protocols",
-    "service.lifecycle": "protocols",
-    "service.openai_api": "protocols",
-    "service.stream_steps": "protocols",  # (when present) one stream event per decode step
-    "service.structured": "protocols",  # (when present) request formats -> the sampler's logits processors
+    "service.protocols.chat_api": "protocols",  # (when present)
+    "service.protocols.chat_template": "protocols",  # (when present)
+    "service.protocols.choices": "protocols",
+    "service.protocols.classify": "protocols",
+    "service.protocols.control": "protocols",
+    "service.protocols.endpoint": "protocols",
+    "service.protocols.engine_status": "protocols",
+    "service.protocols.fields": "protocols",  # (when present) request fields' status
+    "service.protocols.kserve": "protocols",
+    "service.protocols.lifecycle": "protocols",
+    "service.protocols.openai_api": "protocols",
+    "service.protocols.stream_steps": "protocols",  # (when present) one stream event per decode step
+    "service.protocols.structured": "protocols",  # (when present) request formats -> the sampler's logits processors
     # edge
     "service.__main__": "edge",
     "service.access": "edge",
-    "service.app": "edge",
-    "service.auth": "edge",
-    "service.crosssite": "edge",
-    "service.docs": "edge",
-    "service.handlers": "edge",
-    "service.middleware": "edge",
-    "service.slowclient": "edge",
+    "service.edge.app": "edge",
+    "service.edge.auth": "edge",
+    "service.edge.crosssite": "edge",
+    "service.edge.docs": "edge",
+    "service.edge.handlers": "edge",
+    "service.edge.middleware": "edge",
+    "service.edge.slowclient": "edge",
     "service.ray": "edge",
-    "service.ray.__main__": "edge",
-    "service.ray.app": "edge",
-    "service.ray.metrics": "edge",
-    "service.ray.options": "edge",
-    "service.ray.replica": "edge",
+    "service.edge.ray.__main__": "edge",
+    "service.edge.ray.app": "edge",
+    "service.edge.ray.metrics": "edge",
+    "service.edge.ray.options": "edge",
+    "service.edge.ray.replica": "edge",
 }
 WEB_FRAMEWORKS = ("fastapi", "starlette", "pydantic", "uvicorn")
 
@@ -143,7 +143,7 @@ def _layer_of(imported: str) -> str | None:
 def violations(modules: dict[str, str]) -> list[str]:
     bad = []
     for name, source in modules.items():
-        mine = _layer_of(name)  # a package's layer is its modules' (service.backends.*), unless one is listed
+        mine = _layer_of(name)  # a package's layer is its modules' (service.engine.backends.*), unless one is listed
         if mine is None or (name not in LAYER and name.count(".") == 1):
             bad.append(f"{name} has no layer: add it to LAYER in {Path(__file__).name}")
             continue
@@ -164,28 +164,28 @@ def test_every_service_module_has_a_layer_and_imports_none_above_it() -> None:
 
 
 def test_the_engine_raises_no_http_errors() -> None:
-    # batcher and scheduler answer with service.engine_errors; statuses are the protocols' business
+    # batcher and scheduler answer with service.engine.engine_errors; statuses are the protocols' business
     modules = sources()
-    for name in ("service.batcher", "service.scheduler", "service.sampler", "service.kvcache", "service.text_detok",
-                 "service.engine_errors"):
-        assert "service.errors" not in imports(modules[name], name), name
+    for name in ("service.engine.batcher", "service.engine.scheduler", "service.engine.sampler", "service.engine.kvcache", "service.engine.text_detok",
+                 "service.engine.engine_errors"):
+        assert "service.base.errors" not in imports(modules[name], name), name
 
 
 def test_an_upward_import_is_caught() -> None:
     modules = sources()
     planted = dict(modules)
-    planted["service.batcher"] += "\nfrom service.openai_api import CompletionRequest\n"
-    planted["service.kvcache"] += "\nimport fastapi\n"
-    planted["service.errors"] += "\nfrom service import runtime\n"
+    planted["service.engine.batcher"] += "\nfrom service.protocols.openai_api import CompletionRequest\n"
+    planted["service.engine.kvcache"] += "\nimport fastapi\n"
+    planted["service.base.errors"] += "\nfrom service import runtime\n"
     planted["service.lonely"] = "x = 1\n"
-    planted["service.ray.options"] += "\nfrom ..scheduler import TextScheduler\n"  # relative: resolved, allowed
-    planted["service.backends"] += "\nfrom .. import classify\n"
+    planted["service.edge.ray.options"] += "\nfrom ..scheduler import TextScheduler\n"  # relative: resolved, allowed
+    planted["service.engine.backends"] += "\nfrom .. import classify\n"
     assert violations(planted) == [
-        "service.backends (engine) imports service.classify (protocols)",
-        "service.batcher (engine) imports service.openai_api (protocols)",
-        "service.batcher (engine) imports service.openai_api.CompletionRequest (protocols)",
-        "service.errors (base) imports service.runtime (engine)",
-        "service.kvcache (engine) imports the web framework fastapi",
+        "service.engine.backends (engine) imports service.protocols.classify (protocols)",
+        "service.engine.batcher (engine) imports service.protocols.openai_api (protocols)",
+        "service.engine.batcher (engine) imports service.protocols.openai_api.CompletionRequest (protocols)",
+        "service.base.errors (base) imports service.engine.runtime (engine)",
+        "service.engine.kvcache (engine) imports the web framework fastapi",
         "service.lonely has no layer: add it to LAYER in test_service_layers.py",
     ]
 
