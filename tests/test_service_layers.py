@@ -1,20 +1,20 @@
-"""service/ in layers: every module has one, and no module imports one above its own.
+"""service/ in layers: every module sits in its layer's package, and no module imports one above its own.
 
-Bottom to top:
-  base       what every layer shares: settings, metrics, request context, logs, tracing, health, the
-             request-error vocabulary (service.base.errors: ServiceError, the OpenAI / KServe error bodies) and the
-             wire formats (request bodies, bounded JSON, KServe V2 tensors)
-  engine     runs models: backends, runtimes, the dynamic batcher, the text scheduler, the sampler, the KV cache,
-             the detokenizers, model loading and checks; it raises its own errors (service.engine.engine_errors) and
-             knows no web framework
-  protocols  what a request means: OpenAI, KServe V2, classification, model control; they call the engine and
-             answer its errors with statuses (service.protocols.engine_status)
-  edge       the HTTP server around them: the app, middleware, auth, cross-site checks, access log, slow clients,
-             error handlers, the docs pages, the CLIs (and Ray Serve's replica, which wraps the app)
+Bottom to top, one package each:
+  service/base/       what every layer shares: settings, metrics, request context, logs, tracing, health, the
+                      request-error vocabulary (service.base.errors: ServiceError, the OpenAI / KServe error
+                      bodies) and the wire formats (request bodies, bounded JSON, KServe V2 tensors)
+  service/engine/     runs models: backends, runtimes, the dynamic batcher, the text scheduler, the sampler, the KV
+                      cache, the detokenizers, model loading and checks, the per-task modules (tasks/); it raises
+                      its own errors (service.engine.engine_errors) and knows no web framework
+  service/protocols/  what a request means: OpenAI, KServe V2, classification, model control; they call the
+                      engine and answer its errors with statuses (service.protocols.engine_status)
+  service/edge/       the HTTP server around them: the app, middleware, auth, cross-site checks, access log, slow
+                      clients, error handlers, the docs pages (and Ray Serve's replica, ray/, which wraps the app)
 
-A new module must be given its layer here (the test names it), so that where it sits is a decision; a module of a
-listed package (service.engine.backends, service.ray, service.engine.tasks) has its package's layer unless listed itself.
-Entries marked "(when present)" are modules other branches of this wave add.
+A module's layer is the package it sits in, so where a new module goes is a decision made by its path. Directly
+under service/ are only service/__init__ (base: empty), the CLI service/__main__ (edge) and service/ray/, the
+documented names `python -m service.ray` / `service.ray:build` kept as a shim onto service.edge.ray (edge).
 """
 
 from __future__ import annotations
@@ -27,79 +27,8 @@ from service.protocols.engine_status import http_error
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("base", "engine", "protocols", "edge")
-
-LAYER = {
-    # base
-    "service": "base",
-    "service.base.access_config": "base",
-    "service.base.config": "base",
-    "service.base.context": "base",
-    "service.base.errors": "base",
-    "service.base.health": "base",
-    "service.base.logs": "base",
-    "service.base.metrics": "base",
-    "service.base.pngcheck": "base",
-    "service.base.tracing": "base",
-    "service.base.bodies": "base",  # wire formats shared by the protocols and the task modules: request bodies,
-    "service.base.jsonio": "base",  # bounded JSON,
-    "service.base.kserve_codec": "base",  # KServe V2 tensors (pure numpy)
-    # engine
-    "service.engine.backends": "engine",
-    "service.engine.backends.base": "engine",
-    "service.engine.backends.checks": "engine",
-    "service.engine.backends.onnxruntime": "engine",
-    "service.engine.backends.probe": "engine",
-    "service.engine.backends.tensorrt": "engine",
-    "service.engine.backends.torch": "engine",
-    "service.engine.batcher": "engine",
-    "service.engine.decoding": "engine",
-    "service.engine.detokenizer": "engine",  # incremental detokenization of HF tokenizers (when present)
-    "service.engine.hf_text": "engine",  # (when present) Hugging Face tokenizers
-    "service.engine.jpeg": "engine",  # (when present) JPEG decoding for service.engine.vision
-    "service.engine.model_folders": "engine",  # (when present) loading model folders
-    "service.engine.engine_errors": "engine",
-    "service.engine.entry": "engine",
-    "service.engine.generation": "engine",  # the old names of scheduler, sampler and text_detok, re-exported
-    "service.engine.kvcache": "engine",
-    "service.engine.registry": "engine",
-    "service.engine.runtime": "engine",
-    "service.engine.sampler": "engine",
-    "service.engine.scheduler": "engine",
-    "service.engine.text_detok": "engine",
-    "service.engine.vision": "engine",
-    "service.engine.tasks": "engine",  # (when present) per-task validation, checks, warm-up, runtime and codec
-    "service.engine.warmup": "engine",
-    # protocols
-    "service.protocols.chat_api": "protocols",  # (when present)
-    "service.protocols.chat_template": "protocols",  # (when present)
-    "service.protocols.choices": "protocols",
-    "service.protocols.classify": "protocols",
-    "service.protocols.control": "protocols",
-    "service.protocols.endpoint": "protocols",
-    "service.protocols.engine_status": "protocols",
-    "service.protocols.fields": "protocols",  # (when present) request fields' status
-    "service.protocols.kserve": "protocols",
-    "service.protocols.lifecycle": "protocols",
-    "service.protocols.openai_api": "protocols",
-    "service.protocols.stream_steps": "protocols",  # (when present) one stream event per decode step
-    "service.protocols.structured": "protocols",  # (when present) request formats -> the sampler's logits processors
-    # edge
-    "service.__main__": "edge",
-    "service.access": "edge",
-    "service.edge.app": "edge",
-    "service.edge.auth": "edge",
-    "service.edge.crosssite": "edge",
-    "service.edge.docs": "edge",
-    "service.edge.handlers": "edge",
-    "service.edge.middleware": "edge",
-    "service.edge.slowclient": "edge",
-    "service.ray": "edge",
-    "service.edge.ray.__main__": "edge",
-    "service.edge.ray.app": "edge",
-    "service.edge.ray.metrics": "edge",
-    "service.edge.ray.options": "edge",
-    "service.edge.ray.replica": "edge",
-}
+# the only modules outside the layer packages, and their layers
+TOP = {"service": "base", "service.__main__": "edge", "service.ray": "edge", "service.ray.__main__": "edge"}
 WEB_FRAMEWORKS = ("fastapi", "starlette", "pydantic", "uvicorn")
 
 
@@ -132,20 +61,24 @@ def imports(source: str, module: str) -> set[str]:
     return out
 
 
-def _layer_of(imported: str) -> str | None:
-    while imported:
-        if imported in LAYER:
-            return LAYER[imported]
-        imported = imported.rpartition(".")[0]
-    return None
+def _layer_of(module: str) -> str | None:
+    """The layer of a module of service/ (or of a name inside one): its layer package, or TOP's entry."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ORDER:
+        return parts[1]
+    while len(parts) > 1:  # service.ray.__main__, service.ray.build; not service.lonely -> service
+        if ".".join(parts) in TOP:
+            return TOP[".".join(parts)]
+        parts.pop()
+    return TOP.get(module)
 
 
 def violations(modules: dict[str, str]) -> list[str]:
     bad = []
     for name, source in modules.items():
-        mine = _layer_of(name)  # a package's layer is its modules' (service.engine.backends.*), unless one is listed
-        if mine is None or (name not in LAYER and name.count(".") == 1):
-            bad.append(f"{name} has no layer: add it to LAYER in {Path(__file__).name}")
+        mine = _layer_of(name)
+        if mine is None:  # directly under service/, outside the layer packages
+            bad.append(f"{name} has no layer: move it into service/{{{','.join(ORDER)}}}/")
             continue
         here = ORDER.index(mine)
         for imported in sorted(imports(source, name)):
@@ -166,9 +99,17 @@ def test_every_service_module_has_a_layer_and_imports_none_above_it() -> None:
 def test_the_engine_raises_no_http_errors() -> None:
     # batcher and scheduler answer with service.engine.engine_errors; statuses are the protocols' business
     modules = sources()
-    for name in ("service.engine.batcher", "service.engine.scheduler", "service.engine.sampler", "service.engine.kvcache", "service.engine.text_detok",
-                 "service.engine.engine_errors"):
+    for name in ("batcher", "scheduler", "sampler", "kvcache", "text_detok", "engine_errors"):
+        name = f"service.engine.{name}"
         assert "service.base.errors" not in imports(modules[name], name), name
+
+
+def test_the_layer_is_the_package() -> None:
+    assert [_layer_of(m) for m in ("service.base.errors", "service.engine.backends.torch", "service.protocols",
+                                   "service.edge.app.create_app", "service.__main__", "service.ray.__main__",
+                                   "service", "service.lonely", "models.gpt")] == [
+        "base", "engine", "protocols", "edge", "edge", "edge", "base", None, None]
+    assert {_layer_of(m) for m in sources()} == {*ORDER}  # no module outside the packages (and TOP)
 
 
 def test_an_upward_import_is_caught() -> None:
@@ -176,17 +117,19 @@ def test_an_upward_import_is_caught() -> None:
     planted = dict(modules)
     planted["service.engine.batcher"] += "\nfrom service.protocols.openai_api import CompletionRequest\n"
     planted["service.engine.kvcache"] += "\nimport fastapi\n"
-    planted["service.base.errors"] += "\nfrom service import runtime\n"
-    planted["service.lonely"] = "x = 1\n"
-    planted["service.edge.ray.options"] += "\nfrom ..scheduler import TextScheduler\n"  # relative: resolved, allowed
-    planted["service.engine.backends"] += "\nfrom .. import classify\n"
+    planted["service.base.errors"] += "\nfrom service.engine import runtime\n"
+    planted["service.lonely"] = "x = 1\n"  # directly under service/: no layer
+    planted["service.edge.ray.options"] += "\nfrom ...engine.scheduler import TextScheduler\n"  # relative, allowed
+    planted["service.engine.backends"] += "\nfrom ...protocols import classify\n"  # relative, from a package
     assert violations(planted) == [
+        "service.base.errors (base) imports service.engine (engine)",
+        "service.base.errors (base) imports service.engine.runtime (engine)",
+        "service.engine.backends (engine) imports service.protocols (protocols)",
         "service.engine.backends (engine) imports service.protocols.classify (protocols)",
         "service.engine.batcher (engine) imports service.protocols.openai_api (protocols)",
         "service.engine.batcher (engine) imports service.protocols.openai_api.CompletionRequest (protocols)",
-        "service.base.errors (base) imports service.engine.runtime (engine)",
         "service.engine.kvcache (engine) imports the web framework fastapi",
-        "service.lonely has no layer: add it to LAYER in test_service_layers.py",
+        "service.lonely has no layer: move it into service/{base,engine,protocols,edge}/",
     ]
 
 
