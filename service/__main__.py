@@ -10,8 +10,8 @@ import uvicorn
 
 from service.base.config import load_settings
 from service.base.logs import configure_logging
-from service.engine.registry import RegistryError
 from service.edge.slowclient import header_timeout_protocol
+from service.engine.registry import RegistryError
 
 SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 

@@ -279,7 +279,8 @@ def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
 
 
 def test_the_backends_import_nothing_of_the_service_above_them() -> None:
-    bad = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("service.engine.backends")
+    bad = [f"{name} imports {imported}" for name, path in _modules().items()
+           if name.startswith("service.engine.backends")
            for imported in _imports(path)
            if imported.startswith("service.") and not imported.startswith("service.engine.backends")]
     assert not bad

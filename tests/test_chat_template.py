@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 from models.hf_tokenizer import HFTokenizer  # noqa: E402
 from models.tokenizer import ByteTokenizer  # noqa: E402
-from service.protocols.chat_template import ChatTemplateError, render  # noqa: E402
 from service.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from service.engine.hf_text import HFTextTokenizer  # noqa: E402
+from service.protocols.chat_template import ChatTemplateError, render  # noqa: E402
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"

@@ -86,7 +86,7 @@ def test_the_product_imports_without_the_extras() -> None:
     import triton at the top; their callers import them on use)."""
     modules = [m for m, _ in product_modules()
                if m not in ("plugins.kernel", "plugins.reweight_kernel", "plugins.aot") and not m.endswith("__main__")
-               and not m.startswith("service.ray")]  # the `ray` extra
+               and not m.startswith("service.edge.ray")]  # the `ray` extra
     code = WITHOUT_EXTRAS + f"""
 for name in {modules!r}:
     importlib.import_module(name)

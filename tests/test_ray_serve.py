@@ -30,9 +30,9 @@ from benchmarks.loadtest.prom import parse_metrics
 from benchmarks.netns import NamespaceUnavailable, loopback_namespace
 from benchmarks.server import free_port, stop
 from models.demo import DEMO_DIR
-from service.edge.app import create_app
 from service.base.config import Settings
 from service.base.metrics import Metrics
+from service.edge.app import create_app
 from service.edge.ray.metrics import MetricsHub, snapshot
 from service.edge.ray.options import argv_from_mapping, parse
 

@@ -33,18 +33,18 @@ from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.training.vision import digits_split
 from plugins import ort_ops
-from service.engine import kvcache
-from service.edge.app import create_app
-from service.engine.batcher import DynamicBatcher
 from service.base.config import Settings, build_parser, load_settings
-from service.engine.engine_errors import EngineError
-from service.protocols.engine_status import http_error
 from service.base.metrics import Metrics
+from service.edge.app import create_app
+from service.engine import kvcache
+from service.engine.batcher import DynamicBatcher
+from service.engine.engine_errors import EngineError
 from service.engine.registry import RegistryError, choose, load_registry
 from service.engine.sampler import SamplingParams
 from service.engine.scheduler import GenSequence, TextScheduler
 from service.engine.text_detok import TextStream
 from service.engine.vision import Preprocess, decode_image, preprocess
+from service.protocols.engine_status import http_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = ByteTokenizer()

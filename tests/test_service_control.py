@@ -20,11 +20,11 @@ import pytest
 from fastapi import FastAPI
 
 from models.demo import DEMO_DIR
-from service.protocols import control
-from service.edge.app import create_app
 from service.base.config import Settings, load_settings
+from service.edge.app import create_app
 from service.engine.registry import load_version, scan
 from service.engine.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
+from service.protocols import control
 from tests.test_service import started
 
 PIXELS = np.random.default_rng(0).uniform(-1, 1, (2, 1, 32, 32)).astype(np.float32)

@@ -16,13 +16,13 @@ from models.checkpoint import load
 from models.demo import DEMO_DIR
 from models.generate import generate
 from models.tokenizer import ByteTokenizer
+from service.base.config import Settings
+from service.base.metrics import Metrics
 from service.edge.app import create_app
 from service.engine.backends.onnxruntime import OnnxRuntimeBackend
-from service.base.config import Settings
-from service.protocols.engine_status import http_error
-from service.base.metrics import Metrics
 from service.engine.sampler import SamplingParams
 from service.engine.scheduler import GenSequence, TextScheduler
+from service.protocols.engine_status import http_error
 
 TOK = ByteTokenizer()
 POISON = ord("~")  # a prompt holding this byte breaks the prefill it is in

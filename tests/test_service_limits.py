@@ -17,12 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from service.protocols import classify as classify_module
-from service.edge.app import create_app
 from service.base.config import Settings
 from service.base.errors import ServiceError
 from service.base.kserve_codec import decode_tensors
+from service.edge.app import create_app
 from service.engine.vision import Preprocess, preprocess
+from service.protocols import classify as classify_module
 
 
 def _strict(text: str | bytes) -> Any:

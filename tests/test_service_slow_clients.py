@@ -17,8 +17,8 @@ import uvicorn
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import free_port
-from service.edge.app import create_app
 from service.base.config import Settings
+from service.edge.app import create_app
 from service.edge.slowclient import header_timeout_protocol
 
 

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from models.gpt import GPT, GPTConfig
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
-from service.edge.app import create_app
 from service.base.config import Settings
+from service.edge.app import create_app
 from service.protocols.structured import GrammarProcessor, StructuredOutputError, processors_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
@@ -250,10 +250,10 @@ def test_a_processor_that_raises_fails_only_its_sequence() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from models.demo import DEMO_DIR
-    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
-    from service.protocols.engine_status import http_error
-    from service.engine.generation import GenSequence, SamplingParams, TextScheduler
     from service.base.metrics import Metrics
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.generation import GenSequence, SamplingParams, TextScheduler
+    from service.protocols.engine_status import http_error
 
     tok = ByteTokenizer()
 

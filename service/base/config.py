@@ -81,7 +81,7 @@ class Settings:
     request_timeout_s: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_bytes: int = 1024 * 1024  # JSON is parsed on the event loop: this bounds how long one parse takes
-    # None: follows each model's input size (service.engine.runtime.image_pixel_limit); the request budget: 4 images' worth
+    # None: follows each model's input size (service.engine.runtime.image_pixel_limit); the request budget: 4 images'
     max_image_pixels: int | None = None
     max_request_pixels: int | None = None
     decode_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))

@@ -12,19 +12,19 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from service.protocols import chat_api, classify, control, kserve, openai_api
+from service.base.config import Settings
+from service.base.metrics import Metrics
+from service.base.tracing import otlp_tracer_provider, tracer_of
 from service.edge.access import RequestTracking
 from service.edge.auth import ApiKeyAuth, OpenPaths
-from service.base.config import Settings
 from service.edge.crosssite import CrossSiteGuard
 from service.edge.docs import install_docs
-from service.protocols.endpoint import labelled_routes
 from service.edge.handlers import install_handlers
-from service.base.metrics import Metrics
 from service.edge.middleware import BodyLimit, GraceExpiry, ServerTiming
 from service.engine.registry import load_models
 from service.engine.runtime import Runtimes
-from service.base.tracing import otlp_tracer_provider, tracer_of
+from service.protocols import chat_api, classify, control, kserve, openai_api
+from service.protocols.endpoint import labelled_routes
 
 # What browser code may read of a cross-origin response (CORS hides every other header from it).
 EXPOSED_HEADERS = ("X-Request-Id", "Server-Timing", "Retry-After")

@@ -14,10 +14,10 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.base.context import AUTHENTICATED, authenticated  # noqa: F401  (authenticated: its old home)
-from service.edge.docs import ASSETS_URL
-from service.protocols.endpoint import count_refused
 from service.base.errors import error_response
+from service.edge.docs import ASSETS_URL
 from service.edge.middleware import HttpMiddleware
+from service.protocols.endpoint import count_refused
 
 HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # one model's readiness (a probe too)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.protocols.endpoint import count_refused
 from service.base.errors import error_response, shown
 from service.edge.middleware import HttpMiddleware
+from service.protocols.endpoint import count_refused
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

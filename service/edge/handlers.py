@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from service.protocols.endpoint import count_refused
-from service.engine.engine_errors import EngineError
-from service.protocols.engine_status import http_error
 from service.base.errors import ServiceError, error_response
+from service.engine.engine_errors import EngineError
+from service.protocols.endpoint import count_refused
+from service.protocols.engine_status import http_error
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.protocols.endpoint import count_refused
 from service.base.errors import error_response, openai_body
+from service.protocols.endpoint import count_refused
 
 
 @dataclass

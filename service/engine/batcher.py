@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.engine_errors import DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
 from service.base.health import Health
 from service.base.metrics import Metrics
+from service.engine.engine_errors import DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 from models import tasks
 from models.spec import ModelSpec, Task, TextSpec
 from models.tokenizer import TextTokenizer
-from service.engine.backends.base import Backend
 from service.base.config import Settings
+from service.engine.backends.base import Backend
 from service.engine.vision import Preprocess
 
 

@@ -23,11 +23,11 @@ from models.hf_tokenizer import HFTokenizer
 from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
+from service.base.config import Settings
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend
 from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
-from service.base.config import Settings
 from service.engine.entry import ModelEntry
 from service.engine.hf_text import HFTextTokenizer
 from service.engine.tasks import served

@@ -19,10 +19,10 @@ from pathlib import Path
 from models import registry as architectures
 from models.checkpoint import Checkpoint
 from models.onnx_contract import OnnxMetadata, meta_key, proto_props, read_metadata
-from service.engine.backends.base import Backend, BackendUnavailable
 from service.base.config import Settings
-from service.engine.entry import Failed, Loaded, ModelEntry
 from service.base.errors import without_paths
+from service.engine.backends.base import Backend, BackendUnavailable
+from service.engine.entry import Failed, Loaded, ModelEntry
 from service.engine.model_folders import folder_files, folder_kind, load_folder_entry
 from service.engine.tasks import served
 from service.engine.warmup import warm_up

@@ -15,14 +15,14 @@ from models import tasks
 from models.output_function import probabilities
 from models.registry import TEXT, VISION
 from models.tokenizer import tokenizer_from_dict
+from service.base.config import Settings
+from service.base.errors import ServiceError, shown
+from service.base.metrics import UNKNOWN_MODEL, Metrics
 from service.engine.backends.base import TextBackend, VisionBackend
 from service.engine.batcher import DynamicBatcher
-from service.base.config import Settings
 from service.engine.decoding import DecodePool
 from service.engine.engine_errors import ShuttingDown
 from service.engine.entry import Failed, Loaded, ModelEntry
-from service.base.errors import ServiceError, shown
-from service.base.metrics import UNKNOWN_MODEL, Metrics
 from service.engine.scheduler import TextScheduler
 from service.engine.vision import Preprocess
 
@@ -152,8 +152,8 @@ class Runtimes:
 
     `models` maps each name to its latest loaded version: what plain routes and the OpenAI API serve.
     A request holds its runtime (`acquire`/`release`, through the endpoint's tracker) until it is answered or
-    its stream ends, so a runtime replaced or unloaded by the repository API (service.protocols.control) is released only
-    after its last request.
+    its stream ends, so a runtime replaced or unloaded by the repository API
+    (service.protocols.control) is released only after its last request.
     """
 
     def __init__(self, entries: Loaded, settings: Settings, metrics: Metrics, skipped: Failed | None = None) -> None:

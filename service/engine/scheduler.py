@@ -32,12 +32,12 @@ import torch
 
 from models.generate import NonFiniteLogits, stop_match
 from models.tokenizer import TextTokenizer
+from service.base.health import Health
+from service.base.metrics import Metrics
 from service.engine import kvcache
 from service.engine.backends.base import Past, TextModel
 from service.engine.detokenizer import stop_tail
 from service.engine.engine_errors import EngineError, ModelFailed, QueueFull, ShuttingDown
-from service.base.health import Health
-from service.base.metrics import Metrics
 from service.engine.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
 
 log = logging.getLogger(__name__)

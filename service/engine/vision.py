@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from service.engine import jpeg
 from service.base.errors import ServiceError
 from service.base.pngcheck import missing_rows
+from service.engine import jpeg
 
 # Pillow's default, but a library imported into the process may turn it on: then a file cut short would be
 # decoded with its missing part filled in, and every such upload would get a prediction on made-up pixels.

@@ -25,11 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
+from service.base.tracing import phase
+from service.engine.generation import GenSequence, TokenLogprobs
+from service.engine.runtime import Runtimes, TextRuntime
 from service.protocols import choices, fields, structured
 from service.protocols.chat_template import ChatTemplateError, render
 from service.protocols.endpoint import count_refused, model_call, model_endpoint
-from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
-from service.engine.generation import GenSequence, TokenLogprobs
 from service.protocols.lifecycle import Tracker
 from service.protocols.openai_api import (
     Bias,
@@ -50,8 +52,6 @@ from service.protocols.openai_api import (
     step_reader,
     text_models_full,
 )
-from service.engine.runtime import Runtimes, TextRuntime
-from service.base.tracing import phase
 
 router = APIRouter(tags=["openai"])
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound

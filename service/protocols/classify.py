@@ -20,15 +20,15 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from service.engine.batcher import BatchResult
 from service.base.bodies import media_type, read_body
-from service.engine.decoding import DecodePool
-from service.protocols.endpoint import model_call, model_endpoint
 from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses
 from service.base.jsonio import check_size, dumps, loads, non_finite_error
-from service.engine.runtime import VisionRuntime, output_probabilities
 from service.base.tracing import phase
+from service.engine.batcher import BatchResult
+from service.engine.decoding import DecodePool
+from service.engine.runtime import VisionRuntime, output_probabilities
 from service.engine.vision import Preprocess, header_pixels, load_and_preprocess
+from service.protocols.endpoint import model_call, model_endpoint
 
 router = APIRouter(tags=["classification"])
 T = TypeVar("T")

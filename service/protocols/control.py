@@ -21,10 +21,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.base.bodies import JSON, read_body, require_media
-from service.engine.engine_errors import ShuttingDown
 from service.base.errors import ServiceError, error_responses
 from service.base.jsonio import check_size, dumps, loads
 from service.base.kserve_codec import bad
+from service.engine.engine_errors import ShuttingDown
 from service.engine.registry import Files, fingerprint, load_versions, scan
 from service.engine.runtime import ModelRuntime, Runtimes
 

@@ -25,10 +25,10 @@ from starlette.routing import Match
 
 from service.base.config import Settings
 from service.base.context import current
-from service.protocols.lifecycle import Tracker, deadline, outcome_of, tracked, unless_disconnected
 from service.base.metrics import UNKNOWN_MODEL
-from service.engine.runtime import ModelRuntime, R, Runtimes
 from service.base.tracing import record_timing
+from service.engine.runtime import ModelRuntime, R, Runtimes
+from service.protocols.lifecycle import Tracker, deadline, outcome_of, tracked, unless_disconnected
 
 T = TypeVar("T")
 H = TypeVar("H", bound=ModelRuntime)

@@ -3,6 +3,7 @@ as the batcher and scheduler answered before they raised their own errors (tests
 
 from __future__ import annotations
 
+from service.base.errors import ServiceError
 from service.engine.engine_errors import (
     Cancelled,
     DeadlineExceeded,
@@ -12,7 +13,6 @@ from service.engine.engine_errors import (
     ShuttingDown,
     TooLarge,
 )
-from service.base.errors import ServiceError
 
 _STATUS: tuple[tuple[type[EngineError], int, str], ...] = (
     (QueueFull, 429, "queue_full"),

@@ -19,12 +19,12 @@ from starlette.responses import Response
 from models.onnx_contract import LOGITS, attention_function, output_function
 from service.base.bodies import JSON, require_media
 from service.base.context import authenticated
-from service.protocols.endpoint import ModelCall, model_call, model_endpoint
 from service.base.errors import LOOKUP, MODEL_CALL, error_responses
 from service.base.jsonio import dumps
 from service.base.kserve_codec import DTYPES, HEADER_LENGTH, decode_tensors, encode_outputs, parse_body
-from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
 from service.base.tracing import phase
+from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
+from service.protocols.endpoint import ModelCall, model_call, model_endpoint
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"

@@ -11,10 +11,10 @@ from typing import TypeVar
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from service.engine.engine_errors import EngineError
-from service.protocols.engine_status import http_error
 from service.base.errors import OUTCOME_BY_STATUS, ServiceError
 from service.base.metrics import Metrics
+from service.engine.engine_errors import EngineError
+from service.protocols.engine_status import http_error
 
 T = TypeVar("T")
 

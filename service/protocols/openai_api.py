@@ -4,7 +4,8 @@ Field names, defaults, the error shape and the stream format (`data: {chunk}` ev
 `data: [DONE]`) are OpenAI's, so the official client works unchanged. logprobs, echo, n and best_of work as
 OpenAI's legacy completions API has them (`service.protocols.choices`), with vLLM's extensions ignore_eos, min_tokens,
 repetition_penalty and stream_options.continuous_usage_stats (docs/SERVICE.md has the table); presence_penalty,
-frequency_penalty and logit_bias as OpenAI defines them (service.engine.sampler applies them). Options this server cannot
+frequency_penalty and logit_bias as OpenAI defines them (service.engine.sampler applies them).
+Options this server cannot
 honour (suffix, tools, unknown fields: `service.protocols.fields`) are refused with 400 rather than silently ignored;
 structured output (response_format, guided_*) is `service.protocols.structured`.
 """
@@ -28,20 +29,20 @@ from starlette.types import Receive, Scope, Send
 
 from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
-from service.protocols import choices, fields, structured
 from service.base.bodies import JSON, read_body, require_media
-from service.engine.detokenizer import IncrementalDetokenizer
-from service.protocols.endpoint import count_refused, model_call, model_endpoint
-from service.engine.engine_errors import EngineError
-from service.protocols.engine_status import http_error
 from service.base.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body, shown
 from service.base.jsonio import check_size, loads
-from service.protocols.lifecycle import Tracker
+from service.base.tracing import phase
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.engine_errors import EngineError
 from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime
 from service.engine.sampler import MAX_LOGIT_BIAS, SamplingParams
 from service.engine.scheduler import GenSequence
+from service.protocols import choices, fields, structured
+from service.protocols.endpoint import count_refused, model_call, model_endpoint
+from service.protocols.engine_status import http_error
+from service.protocols.lifecycle import Tracker
 from service.protocols.stream_steps import StepReader
-from service.base.tracing import phase
 
 router = APIRouter(tags=["openai"])
 OWNER = "multimax-serve"

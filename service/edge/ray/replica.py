@@ -22,9 +22,9 @@ from fastapi import FastAPI
 from ray import serve
 from starlette.responses import Response
 
-from service.edge.app import create_app
 from service.base.config import Settings
 from service.base.errors import error_response
+from service.edge.app import create_app
 from service.edge.ray.metrics import snapshot
 from service.engine.runtime import Runtimes
 

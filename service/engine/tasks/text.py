@@ -12,10 +12,10 @@ from models import tasks
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, past_names
 from models.spec import TEXT, TextSpec
 from models.tokenizer import tokenizer_from_dict
-from service.engine.backends.base import TextBackend
 from service.base.config import Settings
-from service.engine.entry import ModelEntry, ServedTask
 from service.base.kserve_codec import bad, exact_input
+from service.engine.backends.base import TextBackend
+from service.engine.entry import ModelEntry, ServedTask
 from service.engine.runtime import TextRuntime
 from service.engine.tasks.shapes import compare, session_shapes
 from service.engine.warmup import DECODE_STEPS, prompt_lengths

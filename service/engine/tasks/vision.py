@@ -11,10 +11,10 @@ from models import tasks
 from models.labels import index_labels
 from models.onnx_contract import LOGITS, PIXEL_VALUES
 from models.spec import VISION, VisionSpec
-from service.engine.backends.base import VisionBackend
 from service.base.config import Settings
-from service.engine.entry import ModelEntry, ServedTask
 from service.base.kserve_codec import bad, exact_input
+from service.engine.backends.base import VisionBackend
+from service.engine.entry import ModelEntry, ServedTask
 from service.engine.runtime import VisionRuntime
 from service.engine.tasks.shapes import compare, session_shapes
 from service.engine.vision import Preprocess
