@@ -219,7 +219,7 @@ def test_text_log_format_and_unprintable_paths() -> None:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
     lines = [x for x in buf.getvalue().splitlines() if "[text-1]" in x]
-    assert len(lines) == 1 and "service.edge.access [text-1]: GET /v1/models\\nfake line 404" in lines[0]
+    assert len(lines) == 1 and "service.access [text-1]: GET /v1/models\\nfake line 404" in lines[0]
 
 
 # ---- API keys -----------------------------------------------------------------------------------------------
