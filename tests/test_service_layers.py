@@ -45,7 +45,7 @@ def sources() -> dict[str, str]:
 
 def imports(source: str, module: str) -> set[str]:
     """What `source` (of `module`) imports: `from a import b` counts as a and a.b (b may be a module:
-    `from service import kvcache`)."""
+    `from service.engine import kvcache`)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
