@@ -312,6 +312,8 @@ def _build(config: LlamaConfig, state_dict: Mapping[str, Tensor], dtype: torch.d
     with torch.device("meta"):
         model = Llama(config)
     model.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty gives each module its own new tensor: one matrix again, as built
+        model.output.weight = model.tok_embeddings.weight
     owners = {id(p) for m in model.modules() if isinstance(m, Modulation) for p in m.parameters()}
     for p in model.parameters():
         if id(p) not in owners:

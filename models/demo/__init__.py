@@ -14,3 +14,5 @@ VISION_MULTIMAX = "digits_multimax.pt"
 VISION_SOFTMAX = "digits_softmax.pt"
 TEXT_MULTIMAX = "text_multimax.pt"
 DEMO_FILES = (VISION_MULTIMAX, VISION_SOFTMAX, TEXT_MULTIMAX)
+# The demo LLM: a Hugging Face-layout Llama folder with a SegLU head and a BPE tokenizer (models.training.llm).
+LLM_DEMO = "llama_seglu"

@@ -46,12 +46,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.task == "demos":
         if functions:
             raise UsageError("train demos trains the shipped MultiMax/softmax models; use train vision|text for others")
-        kinds = (args.only,) if args.only else ("vision", "text")
+        kinds = (args.only,) if args.only else ("vision", "text", "llm")
         report = build_demos(Path(args.output or DEMO_DIR), seed=args.seed, progress=not args.quiet, kinds=kinds)
         print(json.dumps(report, indent=2))
         return 0
     if not args.output:
-        raise UsageError("train vision|text needs -o FILE")
+        raise UsageError("train vision|text|llm needs -o FILE (llm: a directory)")
+    if args.task == "llm":
+        if functions or args.multimax != PLACES or args.epochs:
+            raise UsageError("train llm trains the demo LLM's recipe (SegLU head); --multimax, --epochs and the "
+                             "function options do not apply")
+        from models.training.llm import save_llm, train_llm
+
+        kwargs = {"steps": args.steps} if args.steps else {}
+        llm = train_llm(seed=args.seed, progress=not args.quiet, **kwargs)
+        out_dir = save_llm(llm, Path(args.output))
+        print(json.dumps({"folder": str(out_dir), **llm["metrics"], "samples_greedy": llm["samples_greedy"]},
+                         indent=2))
+        return 0
     if args.task == "vision":
         from models.training.vision import train_vision
 
@@ -140,15 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a demo model on offline data")
-    p.add_argument("task", choices=("vision", "text", "demos"), help="demos = all three demo models")
-    p.add_argument("-o", "--output", help="checkpoint file (a directory for 'demos')")
+    p.add_argument("task", choices=("vision", "text", "llm", "demos"),
+                   help="llm = the demo LLM (Hugging Face folder); demos = all four demo models")
+    p.add_argument("-o", "--output", help="checkpoint file (a directory for 'llm' and 'demos')")
     p.add_argument("--multimax", type=parse_places, default=PLACES, help="attention,output | none (softmax twin)")
     add_function_args(p)
     p.add_argument("--epochs", type=int, help="vision epochs")
-    p.add_argument("--steps", type=int, help="text optimisation steps")
+    p.add_argument("--steps", type=int, help="text / llm optimisation steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--only", choices=("vision", "text"), help="demos: retrain only these models (report.json kept)")
+    p.add_argument("--only", choices=("vision", "text", "llm"),
+                   help="demos: retrain only these models (report.json kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

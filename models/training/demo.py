@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from models.checkpoint import Checkpoint, save_checkpoint
-from models.demo import DEMO_DIR, DEMO_FILES, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
+from models.demo import DEMO_DIR, DEMO_FILES, LLM_DEMO, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 
 TEXT_PROMPTS = ("Return the", "If the file", "This module provides")
 
@@ -49,7 +49,7 @@ def text_checkpoint(result: dict[str, Any]) -> Checkpoint:
 
 
 def build_demos(out_dir: Path, seed: int = 0, progress: bool = True,
-                kinds: tuple[str, ...] = ("vision", "text")) -> dict[str, Any]:
+                kinds: tuple[str, ...] = ("vision", "text", "llm")) -> dict[str, Any]:
     """Train the demo models of `kinds` and write them into `out_dir`, with report.json (entries of the kinds not
     retrained are kept)."""
     from models.training.fingerprint import training_fingerprint
@@ -71,6 +71,12 @@ def build_demos(out_dir: Path, seed: int = 0, progress: bool = True,
         result = train_text(seed=seed, progress=progress)
         save_checkpoint(text_checkpoint(result), out_dir / TEXT_MULTIMAX)
         report[TEXT_MULTIMAX] = result["metrics"] | {"samples": result["samples"]}
+    if "llm" in kinds:
+        from models.training.llm import save_llm, train_llm
+
+        llm = train_llm(seed=seed, progress=progress)
+        save_llm(llm, out_dir / LLM_DEMO)
+        report[LLM_DEMO] = llm["metrics"] | {"samples_greedy": llm["samples_greedy"]}
     for kind in kinds:
         report["fingerprint"][kind] = training_fingerprint(kind)
         report["threads"][kind] = torch.get_num_threads()  # float sums, hence bits, depend on the thread count
@@ -120,4 +126,19 @@ def run_demo(demo_dir: Path = DEMO_DIR, rebuild: bool = False) -> int:
         out = generate(model, [tok.encode(prompt)], max_new_tokens=60, temperature=0.8, top_k=40, seed=0,
                        tokenizer=tok, eos_id=tok.eos_id)[0]
         print(f"  {prompt!r} -> {tok.decode(out)!r}")
+
+    from models.hf_folder import load_folder
+
+    if not (demo_dir / LLM_DEMO).is_dir():
+        print(f"\n(no demo LLM in {demo_dir / LLM_DEMO}: python -m models.training train demos --only llm --threads 2)")
+        return 0
+    llm, folder = load_folder(demo_dir / LLM_DEMO)
+    loss = json.loads((demo_dir / "report.json").read_text()).get(LLM_DEMO, {}).get("heldout_loss")
+    print(f"\ntext generation: {LLM_DEMO} (Llama with a SegLU head, BPE tokenizer; held-out {loss:.3f} nats/token), "
+          "greedy")
+    hf_tok = folder.tokenizer
+    for prompt in TEXT_PROMPTS:
+        out = generate(llm, [hf_tok.encode(prompt)], max_new_tokens=24, temperature=0.0, tokenizer=hf_tok,
+                       eos_id=hf_tok.eos_ids)[0]
+        print(f"  {prompt!r} -> {hf_tok.decode(out)!r}")
     return 0

@@ -23,6 +23,9 @@ SOURCES = {
     "vision": ("training/vision.py", "training/digit_inputs.py", "training/drawn_digits.py",
                "training/optim.py", "deit.py", "multimax.py"),
     "text": ("training/text.py", "training/optim.py", "gpt.py", "multimax.py", "tokenizer.py"),
+    # the demo LLM: its trainer and folder writer, the corpus (text.py), the model and what its forward imports
+    "llm": ("training/llm.py", "training/llm_folder.py", "training/text.py", "llama.py", "gpt.py", "multimax.py",
+            "attention_function.py"),
 }
 
 
@@ -53,6 +56,11 @@ def training_fingerprint(kind: str) -> str:
     for name in SOURCES[kind]:
         h.update(f"{name}:{code_digest(MODELS / name)}\n".encode())
     h.update(f"{data_identity(kind)}\ntorch {torch.__version__}\nsklearn {sklearn.__version__}\n".encode())
+    if kind == "llm":  # its BPE tokenizer is trained by `tokenizers` (and safetensors writes the weights)
+        import safetensors
+        import tokenizers
+
+        h.update(f"tokenizers {tokenizers.__version__}\nsafetensors {safetensors.__version__}\n".encode())
     return h.hexdigest()[:16]
 
 
