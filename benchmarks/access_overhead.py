@@ -24,9 +24,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.access import RequestTracking
-from service.auth import ApiKeyAuth, OpenPaths
-from service.tracing import tracer_of
+from service.base.tracing import tracer_of
+from service.edge.access import RequestTracking
+from service.edge.auth import ApiKeyAuth, OpenPaths
 
 HEADERS = [(b"host", b"bench"), (b"user-agent", b"bench"), (b"accept", b"*/*"), (b"authorization", b"Bearer k3")]
 WITH_ID = [*HEADERS, (b"x-request-id", b"bench-1")]
@@ -86,8 +86,8 @@ def _png() -> bytes:
 async def whole_requests(rounds: int, requests: int) -> None:
     import httpx
 
-    from service.app import create_app
-    from service.config import Settings
+    from service.base.config import Settings
+    from service.edge.app import create_app
 
     provider = _provider()
     apps = {"tracing off": create_app(Settings(models=("digits_multimax",))),

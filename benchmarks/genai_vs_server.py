@@ -5,7 +5,7 @@
             lengths and used instead where it gives the Generator's text
     server  `python -m service --model-dir` on 127.0.0.1 serving the folder, N concurrent streamed /v1/completions
             (token-id prompts, greedy, ignore_eos, fixed max_tokens)
-    direct  the server's backend (service.model_folders.GenaiTextBackend over the same model.onnx) in a bare
+    direct  the server's backend (service.engine.model_folders.GenaiTextBackend over the same model.onnx) in a bare
             batched greedy loop: what the server's decode costs without HTTP, scheduler or sampler
 
     python -m benchmarks.genai_vs_server DIR [--threads 2] [--streams 1,4,16] [--rounds 3] [--max-tokens 64]
@@ -161,8 +161,8 @@ def engine_is_correct(model: Any, vocab: int, max_tokens: int) -> tuple[bool, st
 
 
 def direct_backend(folder: Path, threads: int) -> Any:
-    from service.config import Settings
-    from service.model_folders import load_genai_folder
+    from service.base.config import Settings
+    from service.engine.model_folders import load_genai_folder
 
     return load_genai_folder(folder.name, folder, Settings(intra_op_threads=threads)).backend
 

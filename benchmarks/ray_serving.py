@@ -28,8 +28,8 @@ from benchmarks.loadtest.config import LoadConfig
 from benchmarks.loadtest.runner import run_async, run_coroutine
 from benchmarks.netns import loopback_namespace
 from benchmarks.server import free_port, start, stop, wait_ready
-from service.config import Settings
-from service.ray.options import PROXIES, ScaleOptions
+from service.base.config import Settings
+from service.edge.ray.options import PROXIES, ScaleOptions
 
 SERVERS = ("single", "ray-1", "ray-2")
 
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from service.ray.app import build_app
+    from service.edge.ray.app import build_app
 
     service_args: list[str] = []
     if args.model_dir is not None:

@@ -148,8 +148,8 @@ def build_deit_tiny(work: Path) -> Path:
 
 
 def preprocess_all(model_path: Path, blobs: list[bytes]) -> np.ndarray:
-    from service.backends.onnxruntime import OnnxRuntimeBackend
-    from service.vision import Preprocess, load_and_preprocess
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.vision import Preprocess, load_and_preprocess
 
     backend = OnnxRuntimeBackend(model_path)
     spec = Preprocess.from_metadata(backend.metadata["preprocess"])
@@ -158,7 +158,7 @@ def preprocess_all(model_path: Path, blobs: list[bytes]) -> np.ndarray:
 
 def direct(model_path: Path, rows: np.ndarray, batch: int, seconds: float) -> dict[str, Any]:
     """The same onnxruntime session the server builds (same options, providers), called in a loop."""
-    from service.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(model_path)
     x = np.concatenate([rows] * (batch // len(rows) + 1))[:batch]
@@ -175,8 +175,8 @@ def direct(model_path: Path, rows: np.ndarray, batch: int, seconds: float) -> di
 
 def direct_with_preprocess(model_path: Path, blobs: list[bytes], batch: int, seconds: float) -> dict[str, Any]:
     """Decode + preprocess (this process, one thread) then the session: what the server does minus HTTP."""
-    from service.backends.onnxruntime import OnnxRuntimeBackend
-    from service.vision import Preprocess, load_and_preprocess
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.vision import Preprocess, load_and_preprocess
 
     backend = OnnxRuntimeBackend(model_path)
     spec = Preprocess.from_metadata(backend.metadata["preprocess"])
@@ -229,8 +229,8 @@ def single_latency(url: str, make: Make, n: int) -> dict[str, Any]:
 
 def direct_latency(model_path: Path, blobs: list[bytes], n: int, preprocess: bool) -> dict[str, Any]:
     """The raw session call for one image (optionally with decode + preprocess), paced like single_latency."""
-    from service.backends.onnxruntime import OnnxRuntimeBackend
-    from service.vision import Preprocess, load_and_preprocess
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.vision import Preprocess, load_and_preprocess
 
     backend = OnnxRuntimeBackend(model_path)
     spec = Preprocess.from_metadata(backend.metadata["preprocess"])
@@ -504,8 +504,8 @@ def step_times(backend: Any, context: int, batch: int, steps: int) -> list[float
 
 
 def bench_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from service.backends.onnxruntime import OnnxRuntimeBackend
-    from service.backends.torch import TorchBackend
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.backends.torch import TorchBackend
 
     pt, onnx_path = build_long_gpt(work, export_onnx=True)
     backends: dict[str, Any] = {"torch": TorchBackend(pt, device="cpu")}

@@ -1,8 +1,8 @@
 """`python -m benchmarks.structured_cost`: what structured output costs per generated token.
 
-Each step of a guided sequence runs its `service.structured.GrammarProcessor` (llguidance advances the matcher
+Each step of a guided sequence runs its `service.protocols.structured.GrammarProcessor` (llguidance advances the matcher
 by the last token and computes the allowed-token bitmask; torch masks the logits) and then the sampler bridge
-(`service.generation._sample_processed`: sampling among the allowed ids). Both are timed per token here, with
+(`service.engine.generation._sample_processed`: sampling among the allowed ids). Both are timed per token here, with
 fresh random logits every step (the grammar alone decides validity, and random logits walk every branch),
 for four grammars and two tokenizers: the byte-level demo tokenizer (259 ids) and a byte-level BPE
 tokenizer.json trained here on the Python standard library's sources (--vocab ids; nothing is downloaded).
@@ -27,8 +27,8 @@ import torch
 from models.generate import sample_token
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
-from service.generation import SamplingParams, _sample_processed
-from service.structured import processors_for
+from service.engine.generation import SamplingParams, _sample_processed
+from service.protocols.structured import processors_for
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},

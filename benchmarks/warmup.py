@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from benchmarks.server import running
-from service.config import Settings
+from service.base.config import Settings
 
 BACKENDS = ("onnxruntime", "torch")
 

@@ -80,7 +80,7 @@ class VisionSpec:
     classes: int
     reweighting: Reweighting = field(default_factory=Reweighting)
     labels: tuple[str, ...] | None = None
-    preprocess: Mapping[str, Any] | None = None  # mean, std, interpolation, crop (service.vision.Preprocess)
+    preprocess: Mapping[str, Any] | None = None  # mean, std, interpolation, crop (service.engine.vision.Preprocess)
     tokens: int | None = None  # tokens per image where the model has them (a budget for validation)
 
     def __post_init__(self) -> None:

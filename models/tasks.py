@@ -6,9 +6,9 @@ metadata a file must carry to be served and the metrics labels of the routes tha
 one module per layer that holds the rest, so the layers keep importing downwards only:
 
 - `export`: `export.tasks` (how it is traced to ONNX, validated against PyTorch, summarised);
-- `serve`: `service.tasks.<task>` (metadata validation, I/O checks, warm-up, runtime, KServe codec).
+- `serve`: `service.engine.tasks.<task>` (metadata validation, I/O checks, warm-up, runtime, KServe codec).
 
-A new task: a spec class, a row here, an `ExportTask` and a `service/tasks/<task>.py` (see docs/ARCHITECTURE.md).
+A new task: a spec class, a row here, an `ExportTask` and a `service/engine/tasks/<task>.py` (see docs/ARCHITECTURE.md).
 Architectures name their task in their registration (models.registry); nothing else branches on task names.
 No torch import.
 """
@@ -33,7 +33,7 @@ class TaskInfo:
     metadata: tuple[str, ...]  # metadata fields a file must carry to be served (a vision model's labels are optional)
     endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
     export: str  # "module:attribute" of its export side (an export.tasks.ExportTask)
-    serve: str  # "module:attribute" of its serving side (a service.entry.ServedTask)
+    serve: str  # "module:attribute" of its serving side (a service.engine.entry.ServedTask)
 
     def part(self, layer: str) -> Any:
         """The object a row points at for `layer` ("export" or "serve"), imported on demand."""
@@ -43,9 +43,9 @@ class TaskInfo:
 
 TASKS: dict[Task, TaskInfo] = {
     VISION: TaskInfo(VISION, "image-classification", VisionSpec, (VISION_INPUT,), (LOGITS,), ("preprocess",),
-                     ("classify", "infer"), "export.tasks:VISION_EXPORT", "service.tasks.vision:TASK"),
+                     ("classify", "infer"), "export.tasks:VISION_EXPORT", "service.engine.tasks.vision:TASK"),
     TEXT: TaskInfo(TEXT, "text-generation", TextSpec, TEXT_INPUTS, (LOGITS,), ("tokenizer",),
-                   ("completions", "chat", "infer"), "export.tasks:TEXT_EXPORT", "service.tasks.text:TASK"),
+                   ("completions", "chat", "infer"), "export.tasks:TEXT_EXPORT", "service.engine.tasks.text:TASK"),
 }
 
 

@@ -8,10 +8,10 @@ import sys
 
 import uvicorn
 
-from service.config import load_settings
-from service.logs import configure_logging
-from service.registry import RegistryError
-from service.slowclient import header_timeout_protocol
+from service.base.config import load_settings
+from service.base.logs import configure_logging
+from service.edge.slowclient import header_timeout_protocol
+from service.engine.registry import RegistryError
 
 SWITCH_INTERVAL_S = float(os.environ.get("MULTIMAX_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 
@@ -36,7 +36,7 @@ def raise_file_limit(connections: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
     configure_logging(settings.log_format, settings.log_level)
-    from service.app import create_app
+    from service.edge.app import create_app
 
     # The model threads need the GIL back between (and, for PyTorch, inside) their steps; with the default 5 ms
     # switch interval an event loop kept busy by a flood of requests (even ones refused with 429) makes every
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 # Logging is configured above (text or JSON, with request ids); the access log line comes from
-                # service.access, which knows the model, endpoint and durations uvicorn's does not.
+                # service.edge.access, which knows the model, endpoint and durations uvicorn's does not.
                 log_config=None, access_log=False,
                 ssl_certfile=settings.ssl_certfile or None, ssl_keyfile=settings.ssl_keyfile or None,
                 ssl_keyfile_password=settings.ssl_keyfile_password or None,

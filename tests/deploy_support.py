@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from referencing import Registry, Resource
 
 from models.demo import DEMO_DIR
-from service.app import create_app
-from service.config import Settings
+from service.base.config import Settings
+from service.edge.app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

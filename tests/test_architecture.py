@@ -263,8 +263,8 @@ def test_the_shipped_demo_files_predate_the_spec_and_serve_through_the_compatibi
 def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
     from export.tasks import EXPORT_TASKS, ExportTask
     from models import tasks
-    from service.entry import ServedTask
-    from service.tasks import SERVED, served
+    from service.engine.entry import ServedTask
+    from service.engine.tasks import SERVED, served
 
     assert {registry.task_of(a) for a in registry.names()} <= set(tasks.TASKS) == set(EXPORT_TASKS) == set(SERVED)
     for task, row in tasks.TASKS.items():
@@ -279,7 +279,8 @@ def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
 
 
 def test_the_backends_import_nothing_of_the_service_above_them() -> None:
-    bad = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("service.backends")
+    bad = [f"{name} imports {imported}" for name, path in _modules().items()
+           if name.startswith("service.engine.backends")
            for imported in _imports(path)
-           if imported.startswith("service.") and not imported.startswith("service.backends")]
+           if imported.startswith("service.") and not imported.startswith("service.engine.backends")]
     assert not bad

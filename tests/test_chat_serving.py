@@ -29,8 +29,8 @@ from benchmarks.server import free_port, running  # noqa: E402
 from models.demo import DEMO_DIR  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.hf_folder import load_folder  # noqa: E402
-from service.app import create_app  # noqa: E402
-from service.config import Settings  # noqa: E402
+from service.base.config import Settings  # noqa: E402
+from service.edge.app import create_app  # noqa: E402
 
 CHAT = "qwen3-chat"
 STRICT = "strict-chat"  # its template refuses roles that do not alternate (raise_exception)

@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import start, stop
-from service.app import create_app
-from service.choices import offsets, token_text
-from service.config import Settings
-from service.sampler import sample_token
+from service.base.config import Settings
+from service.edge.app import create_app
+from service.engine.sampler import sample_token
+from service.protocols.choices import offsets, token_text
 
 MODEL = "text_multimax"
 PROMPT = "Return the"

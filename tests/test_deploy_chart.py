@@ -36,8 +36,8 @@ from deploy_support import (
 )
 
 from models.demo import DEMO_DIR
-from service.config import Settings, build_parser, load_settings
-from service.metrics import Metrics
+from service.base.config import Settings, build_parser, load_settings
+from service.base.metrics import Metrics
 
 ADAPTER_VALUES = DEPLOY / "helm" / "prometheus-adapter-values.yaml"
 KEYS = ["k-0123456789abcdef", "k-fedcba9876543210"]

@@ -41,7 +41,7 @@ from deploy_support import (
 from test_readme import ANSI, matches, script
 
 from benchmarks.server import start, stop
-from service.ray.options import argv_from_mapping, parse
+from service.edge.ray.options import argv_from_mapping, parse
 
 DOC = ROOT / "docs" / "DEPLOY.md"
 ADAPTER_VALUES = ROOT / "deploy" / "helm" / "prometheus-adapter-values.yaml"

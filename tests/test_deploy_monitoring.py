@@ -30,7 +30,7 @@ from deploy_support import (
     selectors,
 )
 
-from service.config import Settings, build_parser, load_settings
+from service.base.config import Settings, build_parser, load_settings
 
 COMPOSE_DIR = DEPLOY / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"

@@ -24,7 +24,7 @@ from models.training.drawn_digits import (
     sample_grid,
 )
 from models.training.vision import DIGITS_PREPROCESS
-from service.vision import Preprocess, preprocess
+from service.engine.vision import Preprocess, preprocess
 
 
 def test_the_test_set_is_reproducible_and_balanced() -> None:

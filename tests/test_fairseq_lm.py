@@ -255,8 +255,8 @@ def test_export_cli_validates_a_fairseq_lm(tmp_path: Path) -> None:
     assert report["validation"]["ORT_ENABLE_BASIC"]["max_abs"] < 1e-4, report["problems"]
     assert code == 0, report["problems"]
     # the server takes the file with its fairseq tokenizer (the metadata carries the tokenizer.json)
-    from service.config import Settings
-    from service.registry import load_model
+    from service.base.config import Settings
+    from service.engine.registry import load_model
 
     entry = load_model("lm", "onnxruntime", {"onnxruntime": out}, Settings(model_dir=tmp_path))
     try:

@@ -22,8 +22,8 @@ from models.deit import DeiT, DeiTConfig
 from models.labels import index_labels, read_labels
 from models.loading import CheckpointError
 from models.onnx_contract import proto_props, read_metadata
-from service.app import create_app
-from service.config import Settings
+from service.base.config import Settings
+from service.edge.app import create_app
 
 NAMES = ["cat", "dog", "bird", "fish"]
 IMAGENET_INDEX = {"0": ["n01440764", "tench"], "1": ["n01443537", "goldfish"], "2": ["n01484850", "great white shark"],

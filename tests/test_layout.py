@@ -57,7 +57,7 @@ def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
 
 def test_the_walk_finds_the_product_and_resolves_imports() -> None:
     names = {name for name, _ in product_modules()}
-    assert {"models.cli", "export.cli", "service.app", "plugins.selftest", "models.demo"} <= names
+    assert {"models.cli", "export.cli", "service.edge.app", "plugins.selftest", "models.demo"} <= names
     assert not any(is_tool(n) for n in names) and len(names) > 50
     # The checker itself: relative and aliased imports of a tool are caught.
     fake = ROOT / "models" / "_layout_probe.py"
@@ -86,7 +86,7 @@ def test_the_product_imports_without_the_extras() -> None:
     import triton at the top; their callers import them on use)."""
     modules = [m for m, _ in product_modules()
                if m not in ("plugins.kernel", "plugins.reweight_kernel", "plugins.aot") and not m.endswith("__main__")
-               and not m.startswith("service.ray")]  # the `ray` extra
+               and not m.startswith("service.edge.ray")]  # the `ray` extra
     code = WITHOUT_EXTRAS + f"""
 for name in {modules!r}:
     importlib.import_module(name)

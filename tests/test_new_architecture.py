@@ -23,8 +23,8 @@ from models.checkpoint import Checkpoint, save_checkpoint
 from models.generate import generate
 from models.spec import Reweighting, TextSpec
 from models.tokenizer import ByteTokenizer
-from service.app import create_app
-from service.config import Settings
+from service.base.config import Settings
+from service.edge.app import create_app
 
 ARCH = "tiny_decoder_under_test"
 

@@ -33,7 +33,7 @@ from models.onnx_contract import VISION_INPUT
 from plugins import ort_ops
 from plugins.ort_ops.__main__ import main as ort_ops_main
 from plugins.ort_ops.graphs import op_model, scores_model
-from service.backends.onnxruntime import OnnxRuntimeBackend
+from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 
 LENGTHS = (1, 7, 17, 197, 1024, 4099)  # below, across and at multiples of the 4/8/16-lane vector widths
 MIN = float(np.finfo(np.float32).min)

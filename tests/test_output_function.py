@@ -19,7 +19,7 @@ from models.deit import DeiT, DeiTConfig
 from models.generate import sample_next
 from models.gpt import GPT, GPTConfig
 from models.tokenizer import ByteTokenizer
-from service.sampler import sample_token, token_logprobs
+from service.engine.sampler import sample_token, token_logprobs
 
 
 def test_config_takes_the_output_functions_and_says_why_not_the_others() -> None:
@@ -164,8 +164,8 @@ def test_served_classifier_returns_the_sparse_distribution(served: Path) -> None
     from fastapi.testclient import TestClient
     from PIL import Image
 
-    from service.app import create_app
-    from service.config import Settings
+    from service.base.config import Settings
+    from service.edge.app import create_app
 
     with TestClient(create_app(Settings(model_dir=served))) as client:
         card = client.get("/v1/models/digits_sparse").json()
@@ -187,8 +187,8 @@ def test_served_generator_samples_and_reports_logprobs_of_its_distribution(serve
     stream, all on one model: the bad one stays in its request."""
     import httpx
 
-    from service.app import create_app
-    from service.config import Settings
+    from service.base.config import Settings
+    from service.edge.app import create_app
     from tests.test_service import started
 
     async def main() -> tuple[httpx.Response, httpx.Response, list[str]]:

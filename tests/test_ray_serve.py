@@ -30,11 +30,11 @@ from benchmarks.loadtest.prom import parse_metrics
 from benchmarks.netns import NamespaceUnavailable, loopback_namespace
 from benchmarks.server import free_port, stop
 from models.demo import DEMO_DIR
-from service.app import create_app
-from service.config import Settings
-from service.metrics import Metrics
-from service.ray.metrics import MetricsHub, snapshot
-from service.ray.options import argv_from_mapping, parse
+from service.base.config import Settings
+from service.base.metrics import Metrics
+from service.edge.app import create_app
+from service.edge.ray.metrics import MetricsHub, snapshot
+from service.edge.ray.options import argv_from_mapping, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # a local Ray start is 15-20 s on 2 idle cores; replicas load their models after
@@ -108,7 +108,7 @@ def test_metrics_hub_labels_each_replica_and_drops_dead_ones() -> None:
 
 
 def test_health_check_fails_when_a_models_loop_died() -> None:
-    from service.ray.replica import ServiceReplica
+    from service.edge.ray.replica import ServiceReplica
 
     replica = ServiceReplica.__new__(ServiceReplica)  # its __init__ asks Ray for the replica's id
     replica.replica, replica.runtimes = "r1", None
@@ -128,7 +128,7 @@ def test_health_check_fails_when_a_models_loop_died() -> None:
 def test_replica_app_keeps_api_keys_and_uses_the_proxys_request_id() -> None:
     """The app a replica builds has the service's API keys; it takes the id Ray's proxy passes on (the client's
     or the proxy's own) for its error bodies, and leaves the X-Request-Id header to the proxy (no duplicate)."""
-    from service.ray.replica import ServiceReplica
+    from service.edge.ray.replica import ServiceReplica
 
     replica = ServiceReplica.__new__(ServiceReplica)  # its __init__ asks Ray for the replica's id
     replica.settings = Settings(models=("digits_multimax",), api_key=("k1",))

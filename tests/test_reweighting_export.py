@@ -152,8 +152,8 @@ def test_served_model_says_which_function_it_uses(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from models.training.vision import DIGITS_PREPROCESS
-    from service.app import create_app
-    from service.config import Settings
+    from service.base.config import Settings
+    from service.edge.app import create_app
 
     torch.manual_seed(0)
     config = DeiTConfig(img_size=32, patch_size=8, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
@@ -234,8 +234,8 @@ def test_server_refuses_a_file_with_bad_attributes_and_serves_the_others(
     from fastapi.testclient import TestClient
 
     from models.training.vision import DIGITS_PREPROCESS
-    from service.app import create_app
-    from service.config import Settings
+    from service.base.config import Settings
+    from service.edge.app import create_app
 
     torch.manual_seed(0)
     models = tmp_path / "models"
@@ -260,7 +260,7 @@ def test_server_refuses_a_file_with_bad_attributes_and_serves_the_others(
             {"name": "pixel_values", "datatype": "FP32", "shape": [1, 1, 32, 32], "data": image}]})
         assert r.status_code == 200, r.text
         assert client.post("/v2/models/bad/infer", json={"inputs": []}).status_code == 404
-    from service.registry import load_models
+    from service.engine.registry import load_models
 
     loaded, failed = load_models(Settings(model_dir=models, warmup_calls=0))
     assert list(loaded) == ["good"] and "3 per-head values for 2 heads" in str(failed["bad"])

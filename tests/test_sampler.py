@@ -1,4 +1,5 @@
-"""The batched sampler (service.sampler): penalties, logit_bias and processors against direct computations on known
+"""The batched sampler (service.engine.sampler): penalties, logit_bias and processors against direct computations on
+known
 logits, greedy exactness, seeded rows that do not depend on their batch-mates, the distribution drawn from, one
 row's failure staying its own; then the request fields over HTTP (400 naming the field) and a processor in the
 real decode loop."""
@@ -18,12 +19,11 @@ from fastapi.testclient import TestClient
 from models.demo import DEMO_DIR
 from models.generate import NonFiniteLogits, top_k_filter, top_p_filter
 from models.tokenizer import ByteTokenizer
-from service.app import create_app
-from service.backends.onnxruntime import OnnxRuntimeBackend
-from service.config import Settings
-from service.engine_status import http_error
-from service.metrics import Metrics
-from service.sampler import (
+from service.base.config import Settings
+from service.base.metrics import Metrics
+from service.edge.app import create_app
+from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+from service.engine.sampler import (
     ProcessorFailed,
     SamplingParams,
     adjusted_logits,
@@ -31,7 +31,8 @@ from service.sampler import (
     sample,
     sample_token,
 )
-from service.scheduler import GenSequence, TextScheduler
+from service.engine.scheduler import GenSequence, TextScheduler
+from service.protocols.engine_status import http_error
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], dtype=torch.float64)
 

@@ -33,18 +33,18 @@ from models.generate import generate
 from models.tokenizer import ByteTokenizer
 from models.training.vision import digits_split
 from plugins import ort_ops
-from service import kvcache
-from service.app import create_app
-from service.batcher import DynamicBatcher
-from service.config import Settings, build_parser, load_settings
-from service.engine_errors import EngineError
-from service.engine_status import http_error
-from service.metrics import Metrics
-from service.registry import RegistryError, choose, load_registry
-from service.sampler import SamplingParams
-from service.scheduler import GenSequence, TextScheduler
-from service.text_detok import TextStream
-from service.vision import Preprocess, decode_image, preprocess
+from service.base.config import Settings, build_parser, load_settings
+from service.base.metrics import Metrics
+from service.edge.app import create_app
+from service.engine import kvcache
+from service.engine.batcher import DynamicBatcher
+from service.engine.engine_errors import EngineError
+from service.engine.registry import RegistryError, choose, load_registry
+from service.engine.sampler import SamplingParams
+from service.engine.scheduler import GenSequence, TextScheduler
+from service.engine.text_detok import TextStream
+from service.engine.vision import Preprocess, decode_image, preprocess
+from service.protocols.engine_status import http_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = ByteTokenizer()
@@ -162,7 +162,7 @@ def test_backend_choice_per_model() -> None:
 
 def test_cpu_machine_requests_only_the_cpu_provider_and_logs_no_provider_error() -> None:
     code = ("import logging; logging.basicConfig(level='INFO');"
-            "from service.backends.onnxruntime import OnnxRuntimeBackend; from models.demo import DEMO_DIR;"
+            "from service.engine.backends.onnxruntime import OnnxRuntimeBackend; from models.demo import DEMO_DIR;"
             "b = OnnxRuntimeBackend(DEMO_DIR / 'digits_multimax.onnx'); print(b.provider)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -648,11 +648,11 @@ def _scheduler(backend_kind: str, max_running: int = 8) -> TextScheduler:
     from concurrent.futures import ThreadPoolExecutor
 
     if backend_kind == "torch":
-        from service.backends.torch import TorchBackend
+        from service.engine.backends.torch import TorchBackend
 
         backend: Any = TorchBackend(DEMO_DIR / "text_multimax.pt", device="cpu")
     else:
-        from service.backends.onnxruntime import OnnxRuntimeBackend
+        from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 
         backend = OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx")
     return TextScheduler("text", backend, TOK, 128, ThreadPoolExecutor(1), Metrics(), max_running, 64)

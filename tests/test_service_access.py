@@ -30,10 +30,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from benchmarks.server import free_port, start, stop, wait_ready
-from service.app import create_app
-from service.config import Settings, build_parser, load_settings
-from service.context import MAX_ID_LENGTH
-from service.logs import configure_logging
+from service.base.config import Settings, build_parser, load_settings
+from service.base.context import MAX_ID_LENGTH
+from service.base.logs import configure_logging
+from service.edge.app import create_app
 
 KEY = "sk-test-0123456789abcdef"
 OTHER_KEY = "sk-other-key-42"

@@ -20,11 +20,11 @@ import pytest
 from fastapi import FastAPI
 
 from models.demo import DEMO_DIR
-from service import control
-from service.app import create_app
-from service.config import Settings, load_settings
-from service.registry import load_version, scan
-from service.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
+from service.base.config import Settings, load_settings
+from service.edge.app import create_app
+from service.engine.registry import load_version, scan
+from service.engine.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
+from service.protocols import control
 from tests.test_service import started
 
 PIXELS = np.random.default_rng(0).uniform(-1, 1, (2, 1, 32, 32)).astype(np.float32)
@@ -360,7 +360,7 @@ async def test_loads_of_one_model_run_one_at_a_time(model_dir: Path, monkeypatch
 
 
 def test_a_version_whose_warm_up_fails_is_not_served(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service import registry
+    from service.engine import registry
 
     def broken(entry: Any, settings: Settings) -> int:
         raise RuntimeError("out of memory at batch 16")
@@ -372,7 +372,7 @@ def test_a_version_whose_warm_up_fails_is_not_served(model_dir: Path, monkeypatc
 
 
 def test_ray_refuses_model_control(capsys: pytest.CaptureFixture[str]) -> None:
-    from service.ray.options import parse
+    from service.edge.ray.options import parse
 
     with pytest.raises(SystemExit) as exc:
         parse(["--model-control", "explicit"])

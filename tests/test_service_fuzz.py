@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from service.app import create_app
-from service.classify import _images_json
-from service.config import Settings
-from service.errors import ServiceError
-from service.jsonio import loads
-from service.kserve_codec import DTYPES, decode_tensors
-from service.vision import Preprocess, load_and_preprocess
+from service.base.config import Settings
+from service.base.errors import ServiceError
+from service.base.jsonio import loads
+from service.base.kserve_codec import DTYPES, decode_tensors
+from service.edge.app import create_app
+from service.engine.vision import Preprocess, load_and_preprocess
+from service.protocols.classify import _images_json
 
 EXAMPLES = 150
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,

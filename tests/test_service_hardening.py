@@ -37,19 +37,19 @@ from PIL import Image, ImageFile
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
-from service import classify as classify_module
-from service import vision as vision_module
-from service.app import create_app
-from service.batcher import DynamicBatcher
-from service.config import Settings, load_settings
-from service.decoding import DecodePool
-from service.engine_errors import EngineError
-from service.engine_status import http_error
-from service.errors import ServiceError
-from service.metrics import Metrics
-from service.pngcheck import missing_rows
-from service.runtime import image_pixel_limit
-from service.vision import Preprocess
+from service.base.config import Settings, load_settings
+from service.base.errors import ServiceError
+from service.base.metrics import Metrics
+from service.base.pngcheck import missing_rows
+from service.edge.app import create_app
+from service.engine import vision as vision_module
+from service.engine.batcher import DynamicBatcher
+from service.engine.decoding import DecodePool
+from service.engine.engine_errors import EngineError
+from service.engine.runtime import image_pixel_limit
+from service.engine.vision import Preprocess
+from service.protocols import classify as classify_module
+from service.protocols.engine_status import http_error
 
 # ---- 1. a setting that silently disables a protection ----------------------------------------------------------
 

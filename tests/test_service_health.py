@@ -22,9 +22,9 @@ from fastapi.testclient import TestClient
 
 from benchmarks.server import free_port, wait_ready
 from models.demo import DEMO_DIR
-from service.app import create_app
-from service.config import Settings
-from service.health import FAILING_AFTER
+from service.base.config import Settings
+from service.base.health import FAILING_AFTER
+from service.edge.app import create_app
 
 
 def _edit_checkpoint(src: Path, dst: Path, edit: Any) -> None:

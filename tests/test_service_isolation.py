@@ -16,13 +16,13 @@ from models.checkpoint import load
 from models.demo import DEMO_DIR
 from models.generate import generate
 from models.tokenizer import ByteTokenizer
-from service.app import create_app
-from service.backends.onnxruntime import OnnxRuntimeBackend
-from service.config import Settings
-from service.engine_status import http_error
-from service.metrics import Metrics
-from service.sampler import SamplingParams
-from service.scheduler import GenSequence, TextScheduler
+from service.base.config import Settings
+from service.base.metrics import Metrics
+from service.edge.app import create_app
+from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+from service.engine.sampler import SamplingParams
+from service.engine.scheduler import GenSequence, TextScheduler
+from service.protocols.engine_status import http_error
 
 TOK = ByteTokenizer()
 POISON = ord("~")  # a prompt holding this byte breaks the prefill it is in

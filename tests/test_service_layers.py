@@ -1,20 +1,20 @@
-"""service/ in layers: every module has one, and no module imports one above its own.
+"""service/ in layers: every module sits in its layer's package, and no module imports one above its own.
 
-Bottom to top:
-  base       what every layer shares: settings, metrics, request context, logs, tracing, health, the
-             request-error vocabulary (service.errors: ServiceError, the OpenAI / KServe error bodies) and the
-             wire formats (request bodies, bounded JSON, KServe V2 tensors)
-  engine     runs models: backends, runtimes, the dynamic batcher, the text scheduler, the sampler, the KV cache,
-             the detokenizers, model loading and checks; it raises its own errors (service.engine_errors) and
-             knows no web framework
-  protocols  what a request means: OpenAI, KServe V2, classification, model control; they call the engine and
-             answer its errors with statuses (service.engine_status)
-  edge       the HTTP server around them: the app, middleware, auth, cross-site checks, access log, slow clients,
-             error handlers, the docs pages, the CLIs (and Ray Serve's replica, which wraps the app)
+Bottom to top, one package each:
+  service/base/       what every layer shares: settings, metrics, request context, logs, tracing, health, the
+                      request-error vocabulary (service.base.errors: ServiceError, the OpenAI / KServe error
+                      bodies) and the wire formats (request bodies, bounded JSON, KServe V2 tensors)
+  service/engine/     runs models: backends, runtimes, the dynamic batcher, the text scheduler, the sampler, the KV
+                      cache, the detokenizers, model loading and checks, the per-task modules (tasks/); it raises
+                      its own errors (service.engine.engine_errors) and knows no web framework
+  service/protocols/  what a request means: OpenAI, KServe V2, classification, model control; they call the
+                      engine and answer its errors with statuses (service.protocols.engine_status)
+  service/edge/       the HTTP server around them: the app, middleware, auth, cross-site checks, access log, slow
+                      clients, error handlers, the docs pages (and Ray Serve's replica, ray/, which wraps the app)
 
-A new module must be given its layer here (the test names it), so that where it sits is a decision; a module of a
-listed package (service.backends, service.ray, service.tasks) has its package's layer unless listed itself.
-Entries marked "(when present)" are modules other branches of this wave add.
+A module's layer is the package it sits in, so where a new module goes is a decision made by its path. Directly
+under service/ are only service/__init__ (base: empty), the CLI service/__main__ (edge) and service/ray/, the
+documented names `python -m service.ray` / `service.ray:build` kept as a shim onto service.edge.ray (edge).
 """
 
 from __future__ import annotations
@@ -22,84 +22,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from service.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
-from service.engine_status import http_error
+from service.engine.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
+from service.protocols.engine_status import http_error
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("base", "engine", "protocols", "edge")
-
-LAYER = {
-    # base
-    "service": "base",
-    "service.access_config": "base",
-    "service.config": "base",
-    "service.context": "base",
-    "service.errors": "base",
-    "service.health": "base",
-    "service.logs": "base",
-    "service.metrics": "base",
-    "service.pngcheck": "base",
-    "service.tracing": "base",
-    "service.bodies": "base",  # wire formats shared by the protocols and the task modules: request bodies,
-    "service.jsonio": "base",  # bounded JSON,
-    "service.kserve_codec": "base",  # KServe V2 tensors (pure numpy)
-    # engine
-    "service.backends": "engine",
-    "service.backends.base": "engine",
-    "service.backends.checks": "engine",
-    "service.backends.onnxruntime": "engine",
-    "service.backends.probe": "engine",
-    "service.backends.tensorrt": "engine",
-    "service.backends.torch": "engine",
-    "service.batcher": "engine",
-    "service.decoding": "engine",
-    "service.detokenizer": "engine",  # incremental detokenization of HF tokenizers (when present)
-    "service.hf_text": "engine",  # (when present) Hugging Face tokenizers
-    "service.jpeg": "engine",  # (when present) JPEG decoding for service.vision
-    "service.model_folders": "engine",  # (when present) loading model folders
-    "service.engine_errors": "engine",
-    "service.entry": "engine",
-    "service.generation": "engine",  # the old names of scheduler, sampler and text_detok, re-exported
-    "service.kvcache": "engine",
-    "service.registry": "engine",
-    "service.runtime": "engine",
-    "service.sampler": "engine",
-    "service.scheduler": "engine",
-    "service.text_detok": "engine",
-    "service.vision": "engine",
-    "service.tasks": "engine",  # (when present) per-task validation, checks, warm-up, runtime and codec
-    "service.warmup": "engine",
-    # protocols
-    "service.chat_api": "protocols",  # (when present)
-    "service.chat_template": "protocols",  # (when present)
-    "service.choices": "protocols",
-    "service.classify": "protocols",
-    "service.control": "protocols",
-    "service.endpoint": "protocols",
-    "service.engine_status": "protocols",
-    "service.fields": "protocols",  # (when present) request fields' status
-    "service.kserve": "protocols",
-    "service.lifecycle": "protocols",
-    "service.openai_api": "protocols",
-    "service.stream_steps": "protocols",  # (when present) one stream event per decode step
-    "service.structured": "protocols",  # (when present) request formats -> the sampler's logits processors
-    # edge
-    "service.__main__": "edge",
-    "service.access": "edge",
-    "service.app": "edge",
-    "service.auth": "edge",
-    "service.crosssite": "edge",
-    "service.docs": "edge",
-    "service.handlers": "edge",
-    "service.middleware": "edge",
-    "service.slowclient": "edge",
-    "service.ray": "edge",
-    "service.ray.__main__": "edge",
-    "service.ray.app": "edge",
-    "service.ray.metrics": "edge",
-    "service.ray.options": "edge",
-    "service.ray.replica": "edge",
-}
+# the only modules outside the layer packages, and their layers
+TOP = {"service": "base", "service.__main__": "edge", "service.ray": "edge", "service.ray.__main__": "edge"}
 WEB_FRAMEWORKS = ("fastapi", "starlette", "pydantic", "uvicorn")
 
 
@@ -116,7 +45,7 @@ def sources() -> dict[str, str]:
 
 def imports(source: str, module: str) -> set[str]:
     """What `source` (of `module`) imports: `from a import b` counts as a and a.b (b may be a module:
-    `from service import kvcache`)."""
+    `from service.engine import kvcache`)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -132,20 +61,24 @@ def imports(source: str, module: str) -> set[str]:
     return out
 
 
-def _layer_of(imported: str) -> str | None:
-    while imported:
-        if imported in LAYER:
-            return LAYER[imported]
-        imported = imported.rpartition(".")[0]
-    return None
+def _layer_of(module: str) -> str | None:
+    """The layer of a module of service/ (or of a name inside one): its layer package, or TOP's entry."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ORDER:
+        return parts[1]
+    while len(parts) > 1:  # service.ray.__main__, service.ray.build; not service.lonely -> service
+        if ".".join(parts) in TOP:
+            return TOP[".".join(parts)]
+        parts.pop()
+    return TOP.get(module)
 
 
 def violations(modules: dict[str, str]) -> list[str]:
     bad = []
     for name, source in modules.items():
-        mine = _layer_of(name)  # a package's layer is its modules' (service.backends.*), unless one is listed
-        if mine is None or (name not in LAYER and name.count(".") == 1):
-            bad.append(f"{name} has no layer: add it to LAYER in {Path(__file__).name}")
+        mine = _layer_of(name)
+        if mine is None:  # directly under service/, outside the layer packages
+            bad.append(f"{name} has no layer: move it into service/{{{','.join(ORDER)}}}/")
             continue
         here = ORDER.index(mine)
         for imported in sorted(imports(source, name)):
@@ -164,29 +97,39 @@ def test_every_service_module_has_a_layer_and_imports_none_above_it() -> None:
 
 
 def test_the_engine_raises_no_http_errors() -> None:
-    # batcher and scheduler answer with service.engine_errors; statuses are the protocols' business
+    # batcher and scheduler answer with service.engine.engine_errors; statuses are the protocols' business
     modules = sources()
-    for name in ("service.batcher", "service.scheduler", "service.sampler", "service.kvcache", "service.text_detok",
-                 "service.engine_errors"):
-        assert "service.errors" not in imports(modules[name], name), name
+    for name in ("batcher", "scheduler", "sampler", "kvcache", "text_detok", "engine_errors"):
+        name = f"service.engine.{name}"
+        assert "service.base.errors" not in imports(modules[name], name), name
+
+
+def test_the_layer_is_the_package() -> None:
+    assert [_layer_of(m) for m in ("service.base.errors", "service.engine.backends.torch", "service.protocols",
+                                   "service.edge.app.create_app", "service.__main__", "service.ray.__main__",
+                                   "service", "service.lonely", "models.gpt")] == [
+        "base", "engine", "protocols", "edge", "edge", "edge", "base", None, None]
+    assert {_layer_of(m) for m in sources()} == {*ORDER}  # no module outside the packages (and TOP)
 
 
 def test_an_upward_import_is_caught() -> None:
     modules = sources()
     planted = dict(modules)
-    planted["service.batcher"] += "\nfrom service.openai_api import CompletionRequest\n"
-    planted["service.kvcache"] += "\nimport fastapi\n"
-    planted["service.errors"] += "\nfrom service import runtime\n"
-    planted["service.lonely"] = "x = 1\n"
-    planted["service.ray.options"] += "\nfrom ..scheduler import TextScheduler\n"  # relative: resolved, allowed
-    planted["service.backends"] += "\nfrom .. import classify\n"
+    planted["service.engine.batcher"] += "\nfrom service.protocols.openai_api import CompletionRequest\n"
+    planted["service.engine.kvcache"] += "\nimport fastapi\n"
+    planted["service.base.errors"] += "\nfrom service.engine import runtime\n"
+    planted["service.lonely"] = "x = 1\n"  # directly under service/: no layer
+    planted["service.edge.ray.options"] += "\nfrom ...engine.scheduler import TextScheduler\n"  # relative, allowed
+    planted["service.engine.backends"] += "\nfrom ...protocols import classify\n"  # relative, from a package
     assert violations(planted) == [
-        "service.backends (engine) imports service.classify (protocols)",
-        "service.batcher (engine) imports service.openai_api (protocols)",
-        "service.batcher (engine) imports service.openai_api.CompletionRequest (protocols)",
-        "service.errors (base) imports service.runtime (engine)",
-        "service.kvcache (engine) imports the web framework fastapi",
-        "service.lonely has no layer: add it to LAYER in test_service_layers.py",
+        "service.base.errors (base) imports service.engine (engine)",
+        "service.base.errors (base) imports service.engine.runtime (engine)",
+        "service.engine.backends (engine) imports service.protocols (protocols)",
+        "service.engine.backends (engine) imports service.protocols.classify (protocols)",
+        "service.engine.batcher (engine) imports service.protocols.openai_api (protocols)",
+        "service.engine.batcher (engine) imports service.protocols.openai_api.CompletionRequest (protocols)",
+        "service.engine.kvcache (engine) imports the web framework fastapi",
+        "service.lonely has no layer: move it into service/{base,engine,protocols,edge}/",
     ]
 
 

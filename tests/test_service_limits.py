@@ -17,12 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from service import classify as classify_module
-from service.app import create_app
-from service.config import Settings
-from service.errors import ServiceError
-from service.kserve_codec import decode_tensors
-from service.vision import Preprocess, preprocess
+from service.base.config import Settings
+from service.base.errors import ServiceError
+from service.base.kserve_codec import decode_tensors
+from service.edge.app import create_app
+from service.engine.vision import Preprocess, preprocess
+from service.protocols import classify as classify_module
 
 
 def _strict(text: str | bytes) -> Any:
@@ -115,7 +115,7 @@ def test_millions_of_token_ids_are_refused_before_they_are_parsed(client: TestCl
 
 def test_prompt_longer_than_the_context_is_refused_before_validation(client: TestClient,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from service import openai_api
+    from service.protocols import openai_api
 
     validated: list[int] = []
     original = openai_api.CompletionRequest.model_validate

@@ -30,8 +30,8 @@ from schemathesis.checks import (
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import free_port, start, stop, wait_ready
 from models.demo import DEMO_DIR
-from service.app import create_app
-from service.config import Settings
+from service.base.config import Settings
+from service.edge.app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ import uvicorn
 
 from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import free_port
-from service.app import create_app
-from service.config import Settings
-from service.slowclient import header_timeout_protocol
+from service.base.config import Settings
+from service.edge.app import create_app
+from service.edge.slowclient import header_timeout_protocol
 
 
 class Server:

@@ -1,4 +1,4 @@
-"""Structured output (service.structured) and honest request fields (service.fields).
+"""Structured output (service.protocols.structured) and honest request fields (service.protocols.fields).
 
 The grammar forces validity whatever the weights: randomly initialised models, driven only through the logits
 processors, must produce valid JSON, one of the choices, a regex match; then the same through /v1/completions
@@ -19,9 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from models.gpt import GPT, GPTConfig
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
-from service.app import create_app
-from service.config import Settings
-from service.structured import GrammarProcessor, StructuredOutputError, processors_for
+from service.base.config import Settings
+from service.edge.app import create_app
+from service.protocols.structured import GrammarProcessor, StructuredOutputError, processors_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
                                            "tag": {"enum": ["a", "b\"c"]}},
@@ -235,7 +235,7 @@ def test_fields_that_change_nothing_pass(client: TestClient) -> None:
 
 
 def test_tokenizer_without_eos_is_a_400(hf_tok: HFTokenizer) -> None:
-    from service.errors import ServiceError
+    from service.base.errors import ServiceError
 
     no_eos = HFTokenizer(hf_tok.tokenizer, {}, None)  # a tokenizer.json whose config names no end token
     with pytest.raises(ServiceError) as info:
@@ -250,10 +250,10 @@ def test_a_processor_that_raises_fails_only_its_sequence() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from models.demo import DEMO_DIR
-    from service.backends.onnxruntime import OnnxRuntimeBackend
-    from service.engine_status import http_error
-    from service.generation import GenSequence, SamplingParams, TextScheduler
-    from service.metrics import Metrics
+    from service.base.metrics import Metrics
+    from service.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from service.engine.generation import GenSequence, SamplingParams, TextScheduler
+    from service.protocols.engine_status import http_error
 
     tok = ByteTokenizer()
 

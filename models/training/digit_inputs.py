@@ -3,7 +3,7 @@
 Each variant is a PIL image the way a user would produce it (an upscaled PNG, blocky pixel art, a
 black digit on white, the raw 8x8 file), then the checkpoint's own preprocessing: resize to 32x32
 with its interpolation, scale to [0, 1]. That is what the server does to a square upload
-(`service.vision.preprocess`; tests/test_digit_inputs.py checks the two agree).
+(`service.engine.vision.preprocess`; tests/test_digit_inputs.py checks the two agree).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The service on Ray Serve: replicas, autoscaling, one /metrics for the deployment (docs/DEPLOY.md).
-
-    python -m service.ray --replicas 2                  # a local Ray cluster, started and stopped by the command
-    serve run service.ray:build replicas=2              # Ray's own CLI, on a running cluster or a local one
-
-Ray is imported only here (install with `pip install -e ".[ray]"`), and only when the application is built:
-`--help` and option errors answer without it.
-"""
+"""`service.ray`, the documented names (`python -m service.ray`, `serve run service.ray:build`), kept for the
+package that moved to service.edge.ray (the edge layer)."""
 
 from __future__ import annotations
 
@@ -13,8 +7,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build", "build_app"):
-        from service.ray import app
+    # lazily, as service.edge.ray does: `--help` and option errors answer without Ray installed
+    from service.edge import ray
 
-        return getattr(app, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(ray, name)

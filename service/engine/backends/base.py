@@ -1,0 +1,85 @@
+"""The interface every backend implements, whatever runs the model underneath.
+
+Arrays cross this boundary as numpy (vision, token ids, masks). A text backend's KV cache stays in
+its own array type (numpy for ONNX Runtime, torch tensors for PyTorch) so a GPU cache never makes a
+round trip through host memory between decode steps; `service.engine.kvcache` handles both types.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+Past = list[tuple[Any, Any]]  # per layer (key, value), each (batch, n_head, length, head_dim)
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this machine (library or device missing); one line for the user."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # KServe V2 datatype name: FP32, INT64, ...
+    shape: tuple[int, ...]  # -1 for dynamic dimensions
+
+
+class Backend(ABC):
+    """What every backend is, whatever its task: `VisionBackend` and `TextBackend` say what it runs."""
+
+    kind: str  # "onnxruntime" | "tensorrt" | "torch"
+    platform: str  # KServe/Triton platform name
+    provider: str  # what really executes: an ORT execution provider, "cuda", "cpu", ...
+    arch: str  # an architecture of models.registry
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What /v1/models and the logs say about this backend."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing that needs closing
+        pass
+
+
+class VisionBackend(Backend):
+    """Runs an image classifier."""
+
+    @abstractmethod
+    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
+        """(B, C, H, W) float32 -> logits (B, classes) float32."""
+
+
+class TextBackend(Backend):
+    """Runs a decoder with a KV cache."""
+
+    @abstractmethod
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[Any, Past]:
+        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new)."""
+
+    @abstractmethod
+    def empty_past(self, batch: int) -> Past:
+        """A cache of length 0 for `batch` rows, in the backend's array type."""
+
+    def to_numpy(self, logits: Any) -> np.ndarray:
+        """Logits in the backend's array type -> float32 numpy (what the protocols see)."""
+        return np.asarray(logits, dtype=np.float32)
+
+    def forward_stateless(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Logits (B, T, V) float32 of one forward from an empty cache (left padding masked)."""
+        positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
+        logits, _ = self.run_text(input_ids, attention_mask, positions, self.empty_past(len(input_ids)))
+        return self.to_numpy(logits)
+
+
+class TextModel(Protocol):
+    """What the decode loop calls: a `TextBackend`, or anything with its two methods (test doubles)."""
+
+    def run_text(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+    ) -> tuple[Any, Past]: ...
+
+    def empty_past(self, batch: int) -> Past: ...

@@ -1,0 +1,263 @@
+"""Model folders in the model directory: a Hugging Face `ForCausalLM` folder (config.json, weights, tokenizer.json;
+PyTorch backend, models.hf_folder) and an onnxruntime-genai folder (genai_config.json, model.onnx, tokenizer.json;
+ONNX Runtime backend, export.genai_folder). Either is served under the folder's name, as version 1, or as a
+numbered version directory inside `name/` (Triton's layout), beside the model files.
+
+Both carry a real tokenizer (service.engine.hf_text) and, where tokenizer_config.json has one, a chat template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from models import registry as architectures
+from models.checkpoint import Checkpoint
+from models.hf_tokenizer import HFTokenizer
+from models.loading import CheckpointError
+from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
+from models.spec import Reweighting, TextSpec
+from service.base.config import Settings
+from service.engine.backends.base import BackendUnavailable, Past, TextBackend
+from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
+from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
+from service.engine.backends.torch import TorchTextBackend
+from service.engine.entry import ModelEntry
+from service.engine.hf_text import HFTextTokenizer
+from service.engine.tasks import served
+
+HF_FOLDER, GENAI_FOLDER = "hf-folder", "genai-folder"
+GENAI_CONFIG = "genai_config.json"
+
+
+def folder_kind(path: Path) -> str | None:
+    """HF_FOLDER, GENAI_FOLDER or None (not a model folder)."""
+    if not path.is_dir():
+        return None
+    if (path / GENAI_CONFIG).is_file():
+        return GENAI_FOLDER
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return HF_FOLDER
+    return None
+
+
+def folder_files(path: Path) -> list[Path]:
+    """The regular files of a folder (its size and fingerprint are theirs)."""
+    return sorted(p for p in path.iterdir() if p.is_file())
+
+
+def _multimax_summary(rw: Reweighting, values: dict[str, Any] | None) -> dict[str, Any]:
+    """Where SegLU / MultiMax sits (the logits, which attention layers) and its parameters (ranges, ts)."""
+    attention = rw.attention == "multimax"
+    out: dict[str, Any] = {"output": rw.output == "multimax",
+                           "attention_layers": list(rw.attention_layers) if attention else [],
+                           "variant": rw.variant}
+    if values is not None:
+        out["parameters"] = {"lm_head": values.get("lm_head"),
+                             "attention": {str(k): v for k, v in (values.get("attention") or {}).items()}}
+    return out
+
+
+# ---- Hugging Face folder on PyTorch --------------------------------------------------------------------------
+
+
+def load_hf_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
+    from models.hf_folder import load_folder
+
+    try:
+        model, info = load_folder(path)
+    except CheckpointError as exc:
+        raise BackendUnavailable(str(exc)) from None
+    if settings.device == "cuda" and not torch_cuda_available():
+        raise BackendUnavailable("device cuda asked for, but PyTorch sees no CUDA device")
+    where = torch.device("cuda" if settings.device in ("auto", "cuda") and torch_cuda_available() else "cpu")
+    if settings.intra_op_threads:
+        torch.set_num_threads(settings.intra_op_threads)
+    config = info.config.to_dict()
+    ckpt = Checkpoint("llama", config, {})  # the weights live in the model; the checkpoint names arch and config
+    backend = HFTorchBackend(path, ckpt, model, where, settings.torch_compile)
+    tokenizer = HFTextTokenizer(info.tokenizer)
+    spec = _with_tokenizer(architectures.spec_of("llama", config), tokenizer)
+    entry = ModelEntry(name, "llama", backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
+    entry.byte_tokenizer = tokenizer
+    entry.details = {"architecture": info.architecture, "format": "huggingface-folder",
+                     "dtype": str(info.dtype).removeprefix("torch."),
+                     "multimax": _multimax_summary(spec.reweighting, info.multimax), "tokenizer": tokenizer.describe()}
+    return entry
+
+
+class HFTorchBackend(TorchTextBackend):
+    """A folder's Llama/Qwen model: the GPT-shaped forward, its own (grouped-query) cache."""
+
+    def empty_past(self, batch: int) -> Past:
+        return list(cast(Any, self.model).empty_past(batch, device=self.device))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "file": self.path.name + "/"}
+
+
+# ---- onnxruntime-genai folder on ONNX Runtime -------------------------------------------------------------------
+
+
+class GenaiTextBackend(TextBackend):
+    """An onnxruntime-genai folder's model.onnx, run as the server's decoder: the cache is passed exactly as long as
+    the past (no shared buffer), so the graph returns present = past ++ new, as the single-file export does. Names
+    and shapes come from genai_config.json, whatever the architecture."""
+
+    kind = "onnxruntime"
+    platform = "onnxruntime_onnx"
+
+    def __init__(self, path: Path, decoder: dict[str, Any], settings: Settings) -> None:
+        self.path = path
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = settings.intra_op_threads
+        options.inter_op_num_threads = settings.inter_op_threads
+        value = "1" if settings.ort_spinning else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", value)
+        options.log_severity_level = 3
+        providers = list(settings.ort_providers) or list(onnxruntime_providers()[0])
+        model_file = path / str(decoder.get("filename", "model.onnx"))
+        proto = _read_graph(model_file)
+        self.fused_multimax = fused_ops_state(proto, options) if providers == ["CPUExecutionProvider"] else None
+        # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding);
+        # the server's batches are left-padded: such graphs get their rows realigned around each call
+        self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+        del proto
+        try:
+            self.session = ort.InferenceSession(str(model_file), sess_options=options, providers=providers)
+        except Exception as exc:
+            raise BackendUnavailable(f"{path.name}/{model_file.name}: onnxruntime cannot load it: "
+                                     f"{str(exc).splitlines()[0]}") from None
+        self.provider = self.session.get_providers()[0]
+        self.metadata: OnnxMetadata = read_metadata(self.session.get_modelmeta().custom_metadata_map)
+        self.arch = self.metadata.arch or ""
+        try:
+            self.n_layer = int(decoder["num_hidden_layers"])
+            self.kv_heads = int(decoder.get("num_key_value_heads") or decoder["num_attention_heads"])
+            self.head_dim = int(decoder["head_size"])
+            names_in, names_out = decoder["inputs"], decoder["outputs"]
+            self.feeds = {k: str(names_in[k]) for k in ("input_ids", "attention_mask")}
+            self.position_name = names_in.get("position_ids")
+            self.past_names = [(names_in["past_key_names"] % i, names_in["past_value_names"] % i)
+                               for i in range(self.n_layer)]
+            self.present_names = [n for i in range(self.n_layer) for n in (names_out["present_key_names"] % i,
+                                                                          names_out["present_value_names"] % i)]
+            self.logits_name = str(names_out.get("logits", LOGITS))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BackendUnavailable(f"{path.name}/{GENAI_CONFIG}: decoder section unusable ({exc!r})") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        missing = [n for pair in self.past_names for n in pair if n not in inputs]
+        if missing:
+            raise BackendUnavailable(f"{path.name}: model.onnx has no input {missing[0]} that {GENAI_CONFIG} names")
+        self.past_dtype = np.float16 if inputs[self.past_names[0][0]].type == "tensor(float16)" else np.float32
+
+    def run_text(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                 past: Past) -> tuple[np.ndarray, Past]:
+        if not self.right_padded:
+            return self._run(input_ids, attention_mask, position_ids, past)
+        # Left padding (zeros, then the row's real tokens) -> each row's real tokens first, and back after the
+        # call; what the graph reads of the mask is each row's count of real tokens.
+        pads = attention_mask.shape[1] - attention_mask.sum(axis=1)
+        past_len = past[0][0].shape[2] if past else 0
+        new_pads = np.maximum(pads - past_len, 0)  # padding inside the new tokens (a prefill's shorter prompts)
+        old_pads = pads - new_pads  # padding inside the cache
+        ids, positions = _roll_rows(input_ids, -new_pads, 1), _roll_rows(position_ids, -new_pads, 1)
+        aligned = [(_roll_rows(k, -old_pads, 2), _roll_rows(v, -old_pads, 2)) for k, v in past]
+        logits, presents = self._run(ids, attention_mask, positions, aligned)
+        return _roll_rows(logits, new_pads, 1), [(_roll_rows(k, pads, 2), _roll_rows(v, pads, 2)) for k, v in presents]
+
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             past: Past) -> tuple[np.ndarray, Past]:
+        feeds: dict[str, np.ndarray] = {self.feeds["input_ids"]: input_ids,
+                                        self.feeds["attention_mask"]: attention_mask}
+        if self.position_name:
+            feeds[self.position_name] = position_ids
+        for (k, v), (pk, pv) in zip(self.past_names, past, strict=True):
+            feeds[k], feeds[v] = pk, pv
+        out = self.session.run([self.logits_name, *self.present_names], feeds)
+        return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.n_layer)]
+
+    def empty_past(self, batch: int) -> Past:
+        shape = (batch, self.kv_heads, 0, self.head_dim)
+        return [(np.zeros(shape, self.past_dtype), np.zeros(shape, self.past_dtype)) for _ in range(self.n_layer)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind, "provider": self.provider, "file": self.path.name + "/",
+                "fused_multimax": self.fused_multimax or {"in_use": False, "reason": "not a CPU-only session"}}
+
+    def close(self) -> None:
+        del self.session
+
+
+def _roll_rows(a: np.ndarray, shift: np.ndarray, axis: int) -> np.ndarray:
+    """Each row (axis 0) of `a` rolled by its own `shift` along `axis` (positive: towards the end)."""
+    if not shift.any():
+        return a
+    length = a.shape[axis]
+    index = (np.arange(length)[None, :] - shift[:, None]) % length  # (B, L)
+    shape = [1] * a.ndim
+    shape[0], shape[axis] = a.shape[0], length
+    index = index.reshape(shape)
+    return np.take_along_axis(a, np.broadcast_to(index, a.shape), axis=axis)
+
+
+def _genai_eos(model: dict[str, Any]) -> list[int]:
+    eos = model.get("eos_token_id")
+    return [eos] if isinstance(eos, int) else [int(e) for e in eos or [] if isinstance(e, int)]
+
+
+def load_genai_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
+    try:
+        genai = json.loads((path / GENAI_CONFIG).read_text(encoding="utf-8"))
+        model = genai["model"]
+        decoder = model["decoder"]
+        context, vocab = int(model["context_length"]), int(model["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BackendUnavailable(f"{path.name}/{GENAI_CONFIG}: unusable ({type(exc).__name__}: {exc})") from None
+    if not (path / "tokenizer.json").is_file():
+        raise BackendUnavailable(f"{path.name}: no tokenizer.json (an onnxruntime-genai folder carries its tokenizer)")
+    try:
+        hf_tok = HFTokenizer.from_folder(path, _genai_eos(model))
+    except CheckpointError as exc:
+        raise BackendUnavailable(f"{path.name}: {exc}") from None
+    backend = GenaiTextBackend(path, decoder, settings)
+    meta_config = dict(backend.metadata.config or {})
+    config = {**meta_config, "block_size": context, "vocab_size": vocab}
+    outputs = {o.name: o.shape for o in backend.session.get_outputs()}
+    width = (outputs.get(backend.logits_name) or [None])[-1]
+    if isinstance(width, int) and width != vocab:
+        raise BackendUnavailable(f"{path.name}: {GENAI_CONFIG} says vocab_size {vocab}, model.onnx's logits are "
+                                 f"{width} wide")
+    tokenizer = HFTextTokenizer(hf_tok)
+    arch = backend.arch if backend.arch else "gpt"
+    try:  # the project's own exports describe themselves; a foreign folder's placement is unknown: softmax
+        reweighting = architectures.read_spec(backend.metadata).reweighting
+    except ValueError:
+        reweighting = Reweighting()
+    spec = _with_tokenizer(TextSpec((backend.kv_heads,) * backend.n_layer, backend.head_dim, vocab, context,
+                                    reweighting), tokenizer)
+    entry = ModelEntry(name, arch, backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
+    entry.byte_tokenizer = tokenizer
+    entry.details = {"architecture": backend.arch or "unknown", "format": "onnxruntime-genai-folder",
+                     "multimax": _multimax_summary(reweighting, None) if meta_config else None,
+                     "tokenizer": tokenizer.describe()}
+    return entry
+
+
+def _with_tokenizer(spec: Any, tokenizer: HFTextTokenizer) -> TextSpec:
+    """A folder's description with its tokenizer's entry and special ids (-1: the tokenizer has none)."""
+    def known(i: int) -> int | None:
+        return None if i < 0 else i
+    return dataclasses.replace(spec, tokenizer=tokenizer.to_dict(), bos_id=known(tokenizer.bos_id),
+                               eos_id=known(tokenizer.eos_id), pad_id=known(tokenizer.pad_id))
+
+
+def load_folder_entry(name: str, kind: str, path: Path, settings: Settings) -> ModelEntry:
+    """The model of a folder: kind is HF_FOLDER or GENAI_FOLDER (folder_kind)."""
+    return load_hf_folder(name, path, settings) if kind == HF_FOLDER else load_genai_folder(name, path, settings)

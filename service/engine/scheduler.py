@@ -1,0 +1,572 @@
+"""Continuous batching for one text model: one decode loop, sequences join and leave between steps.
+
+Each step runs in the model's worker thread and is either
+  * a prefill: the sequences admitted since the last step run their (left-padded) prompts in one call
+    with an empty cache; their caches are merged into the running batch (`service.engine.kvcache.merge`). The
+    choices of one prompt (n, best_of: a `group`) are admitted together and prefilled as one row, whose cache
+    rows are copied to each; or
+  * a decode: every running sequence feeds its last sampled token; one token per sequence.
+Finished and cancelled sequences leave the batch at the start of the next step, and columns that are
+padding for every row are trimmed, so one long generation never holds up the others and a closed
+stream frees its slot at once. The event-loop side only moves results to the waiting endpoints.
+
+Sampling is service.engine.sampler's (one batched call per step); refusals and failures are the engine's own errors
+(service.engine.engine_errors), which the edge answers with HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from models.generate import NonFiniteLogits, stop_match
+from models.tokenizer import TextTokenizer
+from service.base.health import Health
+from service.base.metrics import Metrics
+from service.engine import kvcache
+from service.engine.backends.base import Past, TextModel
+from service.engine.detokenizer import stop_tail
+from service.engine.engine_errors import EngineError, ModelFailed, QueueFull, ShuttingDown
+from service.engine.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back to the event loop
+
+
+@dataclass(eq=False)
+class GenSequence:
+    """One prompt's generation as the endpoint sees it; the scheduler fills it in between steps."""
+
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)  # text tokens so far (eos and a matched stop removed)
+    generated: int = 0  # tokens sampled, eos included (the usage count)
+    finish_reason: str | None = None  # "stop" | "length"
+    error: EngineError | None = None
+    cancelled: bool = False
+    started: float | None = None  # prefill began
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # shared by the sequences of one request
+    # Choices of one prompt (n, best_of) share a group: admitted together, prefilled once, the cache copied.
+    group: object | None = None
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # one entry per token in `tokens`
+    cumulative_logprob: float = 0.0  # of every sampled token (eos included): best_of's ranking
+    prompt_logprobs: TokenLogprobs | None = None  # echo + logprobs: the prompt's (first token None)
+    # len(tokens) after each step that reached the loop: a stream sends one event per step even when several
+    # steps' results arrive before it runs (service.protocols.openai_api)
+    steps: list[int] = field(default_factory=list)
+    # ended by a stop string: the text between the kept tokens and the stop (the start of the token holding the
+    # stop's first byte), so the text ends exactly before the stop as in vLLM (service.engine.detokenizer.stop_tail)
+    stop_tail: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class _Row:
+    """Thread-side state of one sequence in the batch."""
+
+    seq: GenSequence
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    finish_reason: str | None = None
+    error: str | None = None  # this sequence failed (its batch-mates go on)
+    last: int = 0  # the sampled token not yet fed to the model
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: TokenLogprobs | None = None  # sent with the first update only
+    stop_tail: bytes = b""  # text before a matched stop string inside the token that was removed with it
+
+    @property
+    def live(self) -> bool:
+        return self.finish_reason is None and self.error is None and not self.seq.cancelled
+
+    # what service.engine.sampler reads of a row
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.seq.prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens  # every sampled token while the row is live (eos and a stop end it)
+
+    banned: tuple[int, ...] = ()  # set by the scheduler before each draw
+
+
+@dataclass
+class _Update:
+    row: _Row
+    tokens: list[int]
+    generated: int
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: TokenLogprobs | None = None
+
+
+def _as_torch(logits: Any) -> torch.Tensor:
+    if isinstance(logits, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(logits))
+    return logits.float().cpu()
+
+
+class TextScheduler:
+    def __init__(
+        self,
+        model: str,
+        backend: TextModel,
+        tokenizer: TextTokenizer,
+        context_length: int,
+        executor: Executor,
+        metrics: Metrics,
+        max_running: int,
+        max_waiting: int,
+        output_function: str | None = None,
+    ) -> None:
+        self.model = model
+        self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
+        self.backend = backend
+        self.tokenizer = tokenizer
+        # a Hugging Face tokenizer may name several end ids (generation_config.json); any of them ends a sequence
+        eos = getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,)
+        self.eos_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
+        self.context_length = context_length
+        self.executor = executor
+        self.metrics = metrics
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self._waiting: deque[GenSequence] = deque()
+        self._active: set[GenSequence] = set()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        # thread-side batch state
+        self._rows: list[_Row] = []
+        self._past: Past = []
+        self._mask = np.zeros((0, 0), np.int64)
+        self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0}  # prefill_prompts: model rows prefilled
+        self.health = Health()
+        self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
+        self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
+        self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
+        self._last_wait = 0.0  # what the sequences admitted last waited (Retry-After follows the queued work)
+
+    # ---- endpoint side ----------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def problem(self) -> str | None:
+        return self.health.problem(self._task, self._closing)
+
+    def check_room(self, n: int = 1) -> None:
+        """ShuttingDown while closing, QueueFull (with its retry-after) when `n` more sequences would not fit the
+        waiting room; cheap, so the endpoint calls it before reading a request's body."""
+        if self._closing:
+            raise ShuttingDown()
+        if len(self._waiting) + n > self.max_waiting:
+            raise QueueFull(f"model {self.model} has {len(self._waiting)} sequences waiting; retry later",
+                            self.retry_after())
+
+    def retry_after(self) -> int:
+        """Whole seconds until a slot frees up for the queue's tail: the rounds of the running batch ahead of it
+        times the measured time a sequence spends in the batch."""
+        rounds = (len(self._waiting) / self.max_running + 1) * (self._seq_seconds or 0.0)
+        return max(1, math.ceil(max(rounds, self._last_wait if self._waiting else 0.0)))
+
+    def submit(self, seqs: Sequence[GenSequence]) -> None:
+        """Queue sequences (all or none); QueueFull when the waiting room is full."""
+        self.check_room(len(seqs))
+        for seq in seqs:
+            if seq.params.max_tokens == 0 and not seq.params.prompt_logprobs:  # answer without the model
+                seq.finish_reason, seq.finished = "length", time.perf_counter()
+                seq.changed.set()
+                continue
+            self._waiting.append(seq)
+        self._gauges()
+        self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
+
+    def cancel(self, seq: GenSequence) -> None:
+        """The client is gone: a waiting sequence leaves the queue, a running one leaves at the next step."""
+        if seq.done or seq.cancelled:
+            return
+        seq.cancelled = True
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(seq)
+        self._active.discard(seq)
+        self._gauges()
+        self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
+
+    def check_exclusive_room(self) -> None:
+        """ShuttingDown while closing, QueueFull when as many stateless forwards wait as sequences may
+        (max_waiting)."""
+        if self._closing:
+            raise ShuttingDown()
+        if self._exclusive >= self.max_waiting:
+            raise QueueFull(f"model {self.model} has {self._exclusive} forwards queued; retry later",
+                            self.retry_after())
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the model's worker thread, between decode steps (KServe's stateless forward); the queue
+        of such calls is bounded like the waiting room."""
+        self.check_exclusive_room()
+        self._exclusive += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self._exclusive -= 1
+
+    def _gauges(self) -> None:
+        self.metrics.running.labels(self.model).set(len(self._active))
+        self.metrics.waiting.labels(self.model).set(len(self._waiting))
+
+    # ---- loop --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{self.model}")
+
+    @property
+    def alive(self) -> bool:
+        """False once the decode loop has ended (closed, or died of a bug): no sequence will advance."""
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        """Refuse new sequences, finish the accepted ones, stop."""
+        self._closing = True
+        self._wake.set()
+        self._interrupt = True  # the worker returns to the loop after its current step
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._active and not self._waiting and not self._rows:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._interrupt = False  # before admitting: a sequence submitted from now on interrupts the worker
+            admitted = self._admit()
+            now = time.perf_counter()
+            if admitted:
+                self._last_wait = max(now - seq.arrival for seq in admitted)
+            for seq in admitted:
+                seq.started = now
+                self._active.add(seq)
+                self.metrics.queue_time.labels(self.model).observe(now - seq.arrival)
+            self._gauges()
+            try:
+                updates = await loop.run_in_executor(self.executor, self._steps, admitted, loop)
+            except Exception as exc:
+                log.exception("%s: generation step failed", self.model)
+                self._fail(admitted or list(self._active), exc)
+                continue
+            self._apply(updates)
+
+    def _admit(self) -> list[GenSequence]:
+        """Waiting sequences for the free slots; the choices of one prompt (a group) come in together, so their
+        prompt is prefilled once (a group larger than the whole batch still runs, alone)."""
+        admitted: list[GenSequence] = []
+        while self._waiting:
+            head = self._waiting[0]
+            size = 1
+            if head.group is not None:
+                while size < len(self._waiting) and self._waiting[size].group is head.group:
+                    size += 1
+            busy = len(self._active) + len(admitted)
+            if busy + size > self.max_running and (busy or size == 1):
+                break
+            admitted.extend(self._waiting.popleft() for _ in range(size))
+        return admitted
+
+    def _fail(self, seqs: list[GenSequence], exc: Exception) -> None:
+        """A failed prefill fails the sequences it admitted; a failed decode fails the batch it ran."""
+        error = ModelFailed(f"model failed during generation: {type(exc).__name__}")
+        self.health.failed(error.message)
+        failed = set(seqs)
+        for seq in seqs:
+            seq.error = error
+            self._active.discard(seq)
+            seq.changed.set()
+        # drop their rows (thread idle here: the step that failed has returned)
+        keep = [i for i, r in enumerate(self._rows) if r.seq not in failed]
+        if self._rows and len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            if self._rows:
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+            else:
+                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        self._gauges()
+
+    def _apply(self, updates: list[_Update]) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        for u in updates:
+            seq = u.row.seq
+            if u.error is not None:
+                self.health.failed(u.error)
+                seq.error = ModelFailed(u.error)
+                self._active.discard(seq)
+                seq.changed.set()
+                continue
+            new = u.generated - seq.generated
+            if new <= 0 and u.finish_reason is None and u.prompt_logprobs is None:
+                continue
+            if u.prompt_logprobs is not None:
+                seq.prompt_logprobs = u.prompt_logprobs
+            if u.logprobs is not None:
+                seq.logprobs, seq.cumulative_logprob = u.logprobs, u.cumulative_logprob
+            self.health.succeeded()
+            if new > 0:
+                m.generation_tokens.labels(self.model).inc(new)
+                if seq.first_token is None:
+                    seq.first_token = now
+                    m.ttft.labels(self.model).observe(now - seq.arrival)
+                else:
+                    m.itl.labels(self.model).observe(now - (seq.last_token or now))
+                seq.last_token = now
+            seq.tokens, seq.generated = u.tokens, u.generated
+            seq.steps.append(len(u.tokens))
+            seq.stop_tail = u.row.stop_tail
+            if u.finish_reason is not None:
+                seq.finished = now
+                seq.finish_reason = u.finish_reason
+                self._active.discard(seq)
+                if seq.started is not None:
+                    took = now - seq.started
+                    self._seq_seconds = took if self._seq_seconds is None else 0.9 * self._seq_seconds + 0.1 * took
+                m.e2e.labels(self.model).observe(now - seq.arrival)
+            seq.changed.set()
+        self._gauges()
+
+    # ---- worker thread ---------------------------------------------------------------------------------
+
+    def _steps(self, admitted: list[GenSequence], loop: asyncio.AbstractEventLoop) -> list[_Update]:
+        """One step, then more decode steps in a row while nothing needs the loop side (no new sequence, no
+        cancellation, at most STEPS_SLICE_S): each step's results go to the loop without waiting for it, so a
+        busy event loop (a flood of requests, even refused ones) delays the delivery of tokens, not their
+        computation. Returns the last step's results."""
+        updates = self._step(admitted)
+        until = time.perf_counter() + STEPS_SLICE_S
+        while not self._interrupt and time.perf_counter() < until and any(r.live for r in self._rows):
+            loop.call_soon_threadsafe(self._apply, updates)
+            updates = self._step([])
+        return updates
+
+    def _step(self, admitted: list[GenSequence]) -> list[_Update]:
+        keep = [i for i, r in enumerate(self._rows) if r.live]
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            if self._rows:
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+            else:
+                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        admitted = [s for s in admitted if not s.cancelled]
+        if admitted:
+            return self._prefill_isolated(admitted)
+        if self._rows:
+            try:
+                return self._decode()
+            except Exception:
+                log.exception("%s: decode step of %d sequences failed; stepping them one by one", self.model,
+                              len(self._rows))
+                return self._decode_one_by_one()
+        return []
+
+    def _prefill_isolated(self, seqs: list[GenSequence]) -> list[_Update]:
+        """A prefill that fails is redone one sequence at a time: only the sequence that breaks it fails."""
+        try:
+            return self._prefill(seqs)
+        except Exception as exc:
+            if len(seqs) == 1:
+                return [self._failed(_Row(seqs[0], new_generator(0)), exc)]
+            log.exception("%s: prefill of %d sequences failed; prefilling them one by one", self.model, len(seqs))
+        return [u for s in seqs for u in self._prefill_isolated([s])]
+
+    @torch.inference_mode()
+    def _decode_one_by_one(self) -> list[_Update]:
+        """Each row's decode step on its own cache; the rows that succeed form the batch again."""
+        updates: list[_Update] = []
+        kept: list[tuple[_Row, Past, np.ndarray]] = []
+        for i, row in enumerate(self._rows):
+            past, mask = kvcache.select(self._past, self._mask, [i])
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            try:
+                logits, presents = self.backend.run_text(np.array([[row.last]], np.int64), mask,
+                                                         mask[:, :-1].sum(axis=1, keepdims=True), past)
+            except Exception as exc:
+                updates.append(self._failed(row, exc))
+                continue
+            updates.extend(self._sample([row], _as_torch(logits[:, -1])))
+            kept.append((row, presents, mask))
+        self._rows = [row for row, _, _ in kept]
+        self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        for n, (_, presents, mask) in enumerate(kept):
+            self._past, self._mask = (presents, mask) if n == 0 else kvcache.merge(self._past, self._mask,
+                                                                                  presents, mask)
+        self.steps["decode"] += 1
+        return updates
+
+    @torch.inference_mode()
+    def _prefill(self, seqs: list[GenSequence]) -> list[_Update]:
+        start = time.perf_counter()
+        # One model row per distinct prompt: the choices of a group share it, their caches are copies of its.
+        first: dict[int, int] = {}
+        unique: list[GenSequence] = []
+        index: list[int] = []
+        for s in seqs:
+            key = id(s.group) if s.group is not None else id(s)
+            if key not in first:
+                first[key] = len(unique)
+                unique.append(s)
+            index.append(first[key])
+        longest = max(len(s.prompt) for s in unique)
+        ids = np.zeros((len(unique), longest), np.int64)  # the pad id is masked out: any id would do
+        mask = np.zeros((len(unique), longest), np.int64)
+        for i, s in enumerate(unique):
+            ids[i, longest - len(s.prompt):] = s.prompt
+            mask[i, longest - len(s.prompt):] = 1
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        logits, presents = self.backend.run_text(ids, mask, positions, self.backend.empty_past(len(unique)))
+        prompt_lps = [self._prompt_logprobs(s, logits[i]) if s.params.prompt_logprobs else None
+                      for i, s in enumerate(unique)]
+        last = _as_torch(logits[:, -1])
+        if len(unique) < len(seqs):  # copy the prefilled cache (and last logits) for every choice
+            presents = kvcache.map_past(presents, lambda t: kvcache.take_rows(t, index))
+            mask, last = mask[index], last[index]
+        rows = [_Row(s, new_generator(s.params.seed), prompt_logprobs=prompt_lps[j])
+                for s, j in zip(seqs, index, strict=True)]
+        updates = self._sample(rows, last)
+        if self._rows:
+            self._past, self._mask = kvcache.merge(self._past, self._mask, presents, mask)
+        else:
+            self._past, self._mask = presents, mask
+        self._rows.extend(rows)
+        self.steps["prefill"] += 1
+        self.steps["prefill_prompts"] += len(unique)
+        self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
+        self.metrics.batch_size.labels(self.model, "prefill").observe(len(unique))
+        self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in unique))
+        return updates
+
+    def _prompt_logprobs(self, seq: GenSequence, logits: Any) -> TokenLogprobs:
+        """Logprobs of the prompt's tokens from the prefill's logits (T, V) of its (left-padded) row: the first
+        token has none (nothing predicts it), as OpenAI's echo shows."""
+        rows = _as_torch(logits)
+        offset = rows.shape[0] - len(seq.prompt)
+        if not bool(torch.isfinite(rows[offset:]).all()):  # no NaN into the JSON; the prefill is retried alone
+            raise NonFiniteLogits("the model produced non-finite logits for this prompt")
+        out = TokenLogprobs([None], [None])
+        for j in range(1, len(seq.prompt)):
+            chosen, top = token_logprobs(rows[offset + j - 1], seq.prompt[j], seq.params.logprobs or 0,
+                                         self.output_function)
+            out.chosen.append(chosen)
+            out.top.append(top)
+        return out
+
+    @torch.inference_mode()
+    def _decode(self) -> list[_Update]:
+        start = time.perf_counter()
+        ids = np.array([[r.last] for r in self._rows], np.int64)
+        positions = self._mask.sum(axis=1, keepdims=True)  # real tokens so far = the new token's position
+        mask = np.concatenate([self._mask, np.ones((len(self._rows), 1), np.int64)], axis=1)
+        logits, self._past = self.backend.run_text(ids, mask, positions, self._past)
+        self._mask = mask
+        updates = self._sample(self._rows, _as_torch(logits[:, -1]))
+        self.steps["decode"] += 1
+        self.metrics.compute_time.labels(self.model, "decode").observe(time.perf_counter() - start)
+        self.metrics.batch_size.labels(self.model, "decode").observe(len(self._rows))
+        return updates
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[_Update]:
+        tok = self.tokenizer
+        live = [i for i, row in enumerate(rows) if row.live]
+        updates = []
+        drawing = []
+        for i in live:
+            row = rows[i]
+            if row.params.max_tokens == 0:  # echo + logprobs of the prompt alone: the prefill was the work
+                row.finish_reason = "length"
+                updates.append(_Update(row, [], 0, "length", prompt_logprobs=row.prompt_logprobs))
+                row.prompt_logprobs = None
+                continue
+            p = row.params
+            row.banned = self.eos_ids if p.ignore_eos or row.generated < p.min_tokens else ()
+            drawing.append(i)
+        if not drawing:
+            return updates
+        batch = [rows[i] for i in drawing]
+        tokens, errors = sample(logits[drawing] if len(drawing) < len(logits) else logits, batch,
+                                self.output_function)
+        for i, row, token, error in zip(drawing, batch, tokens, errors, strict=True):
+            prompt_lps, row.prompt_logprobs = row.prompt_logprobs, None
+            if error is not None:  # this row's numbers (or its processor) went bad: it ends, its batch-mates go on
+                updates.append(self._failed(row, error))
+                continue
+            p = row.params
+            row.last = token
+            row.generated += 1
+            if p.wants_logprobs:
+                chosen, top = token_logprobs(logits[i], token, p.logprobs or 0, self.output_function)
+                row.cumulative_logprob += chosen
+            if token in self.eos_ids:
+                row.finish_reason = "stop"
+            else:
+                row.tokens.append(token)
+                if p.wants_logprobs:
+                    row.logprobs.chosen.append(chosen)
+                    row.logprobs.top.append(top)
+                # Stop strings count from min_tokens on (vLLM: no stop check before min_tokens).
+                keep = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
+                if keep is not None:
+                    row.stop_tail = stop_tail(row.tokens, keep, p.stop, tok)
+                    del row.tokens[keep:]
+                    row.logprobs.truncate(keep)
+                    row.finish_reason = "stop"
+            if row.finish_reason is None and (row.generated >= p.max_tokens
+                                              or len(row.seq.prompt) + row.generated >= self.context_length):
+                row.finish_reason = "length"
+            updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason,
+                                   logprobs=row.logprobs.copy() if p.wants_logprobs else None,
+                                   cumulative_logprob=row.cumulative_logprob, prompt_logprobs=prompt_lps))
+        return updates
+
+    def _failed(self, row: _Row, exc: Exception) -> _Update:
+        log.warning("%s: one sequence failed and leaves the batch: %s: %s", self.model, type(exc).__name__, exc)
+        row.error = str(exc) if isinstance(exc, NonFiniteLogits | ProcessorFailed) else \
+            f"model failed on this sequence: {type(exc).__name__}"
+        return _Update(row, list(row.tokens), row.generated, None, row.error)
