@@ -1,9 +1,9 @@
 """`python -m benchmarks.structured_cost`: what structured output costs per generated token.
 
 Each step of a guided sequence runs its `service.protocols.structured.GrammarProcessor` (llguidance advances the matcher
-by the last token and computes the allowed-token bitmask; torch masks the logits) and then the sampler bridge
-(`service.engine.generation._sample_processed`: sampling among the allowed ids). Both are timed per token here, with
-fresh random logits every step (the grammar alone decides validity, and random logits walk every branch),
+by the last token and computes the allowed-token bitmask; torch masks the logits) and then the sampler
+(`service.engine.sampler.sample` with the row's processors: sampling among the allowed ids). Both are timed per
+token here, with fresh random logits every step (the grammar alone decides validity, and random logits walk every branch),
 for four grammars and two tokenizers: the byte-level demo tokenizer (259 ids) and a byte-level BPE
 tokenizer.json trained here on the Python standard library's sources (--vocab ids; nothing is downloaded).
 Unconstrained sampling of the same logits (`sample_token`) is timed beside them as the baseline.
@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from models.generate import sample_token
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
-from service.engine.generation import SamplingParams, _sample_processed
+from service.engine.sampler import SamplingParams, _OneRow, sample, sample_token
 from service.protocols.structured import processors_for
 
 SCHEMA = {"type": "object", "properties": {
@@ -81,9 +80,12 @@ def run(tok: Any, fields: dict[str, Any], sequences: int, max_tokens: int, seed:
             t0 = time.perf_counter()
             masked = processors[0](out, logits)
             t1 = time.perf_counter()
-            token = _sample_processed(logits, out, params, gen, (), None)
+            tokens, errors = sample(logits[None], [_OneRow(params, gen, output_ids=out)])
+            if errors[0] is not None:
+                raise errors[0]
+            token = tokens[0]
             t2 = time.perf_counter()
-            sample_token(logits, 1.0, 1.0, None, gen)
+            sample_token(logits, 1.0, None, 1.0, gen)
             t3 = time.perf_counter()
             del masked
             proc_us.append((t1 - t0) * 1e6)
