@@ -1,9 +1,10 @@
 """`python -m benchmarks.structured_cost`: what structured output costs per generated token.
 
-Each step of a guided sequence runs its `service.protocols.structured.GrammarProcessor` (llguidance advances the matcher
-by the last token and computes the allowed-token bitmask; torch masks the logits) and then the sampler
-(`service.engine.sampler.sample` with the row's processors: sampling among the allowed ids). Both are timed per
-token here, with fresh random logits every step (the grammar alone decides validity, and random logits walk every branch),
+Each step of a guided sequence runs its `service.protocols.structured.GrammarProcessor` (llguidance advances
+the matcher by the last token and computes the allowed-token bitmask; torch masks the logits) and then the
+sampler (`service.engine.sampler.sample` with the row's processors: sampling among the allowed ids). Both are
+timed per token here, with fresh random logits every step (the grammar alone decides validity, and random logits
+walk every branch),
 for four grammars and two tokenizers: the byte-level demo tokenizer (259 ids) and a byte-level BPE
 tokenizer.json trained here on the Python standard library's sources (--vocab ids; nothing is downloaded).
 Unconstrained sampling of the same logits (`sample_token`) is timed beside them as the baseline.
