@@ -8,7 +8,11 @@
     direct  the server's backend (service.engine.model_folders.GenaiTextBackend over the same model.onnx) in a bare
             batched greedy loop: what the server's decode costs without HTTP, scheduler or sampler
 
+    base    with --base-tree TREE: the same server run from another source tree (e.g. main before a change), so a
+            change's effect is measured side by side with the ratio server/base
+
     python -m benchmarks.genai_vs_server DIR [--threads 2] [--streams 1,4,16] [--rounds 3] [--max-tokens 64]
+                                         [--base-tree TREE]
 
 Each figure is output tokens/s over all streams (N x max_tokens / wall time from the first send to the last
 token), with time to first token and inter-token latency (gaps between a stream's tokens; the server's are
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -196,14 +201,17 @@ def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[
 
 
 @contextmanager
-def server(folder: Path, threads: int, extra: list[str]) -> Iterator[str]:
-    """`python -m service --model-dir` over a directory holding only (a link to) the folder."""
+def server(folder: Path, threads: int, extra: list[str], tree: Path | None = None) -> Iterator[str]:
+    """`python -m service --model-dir` over a directory holding only (a link to) the folder; run from `tree`'s
+    code where given (its working directory and PYTHONPATH), else this tree's."""
     repo = Path(tempfile.mkdtemp(prefix="genai-vs-server-"))
     (repo / folder.name).symlink_to(folder.resolve(), target_is_directory=True)
     port = free_port()
     cmd = [sys.executable, "-m", "service", "--model-dir", str(repo), "--host", "127.0.0.1", "--port", str(port),
            "--intra-op-threads", str(threads), "--inter-op-threads", "1", "--max-running-sequences", "64", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=None if tree is None else str(tree), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base, proc, folder.name)
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
     ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens a stream (default 64)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` option")
+    ap.add_argument("--base-tree", type=Path, help="also serve the folder from this source tree's code (way 'base')")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
     try:
@@ -307,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--streams: not a comma-separated list of integers: {args.streams!r}")
     if not (args.folder / "genai_config.json").is_file():
         print(f"error: {args.folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+        return 2
+    if args.base_tree is not None and not (args.base_tree / "service" / "__main__.py").is_file():
+        print(f"error: --base-tree {args.base_tree} is not a source tree of this project (no service/__main__.py)",
+              file=sys.stderr)
         return 2
     if min(counts) < 1 or args.rounds < 1 or args.threads < 1 or args.prompt_len < 1 or args.max_tokens < 2:
         ap.error("--streams, --rounds, --threads, --prompt-len must be >= 1 and --max-tokens >= 2")
@@ -325,12 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     genai_batched: Callable[..., tuple[Run, list[list[int]]]] = genai_engine if ok else genai_generator
     results: dict[str, dict[int, list[Run]]] = {"genai": {}, "server": {}, "direct": {}}
     ratios: dict[str, dict[int, list[float]]] = {"server/genai": {}, "server/direct": {}}
-    with server(folder, args.threads, args.server_arg) as base:
+    if args.base_tree is not None:
+        results["base"], ratios["server/base"] = {}, {}
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(server(folder, args.threads, args.server_arg))
+        other = None if args.base_tree is None else stack.enter_context(
+            server(folder, args.threads, args.server_arg, args.base_tree.resolve()))
         # Warm-up and a correctness check: every way gives the same greedy tokens for one prompt.
         p = prompts(vocab, 1, args.prompt_len, 0)
         ref = genai_generator(model, p, 8)[1][0]
         direct = direct_loop(backend, p, 8)[1][0]
         server_run(base, folder.name, p, 8)
+        if other is not None:
+            server_run(other, folder.name, p, 8)
         print(f"greedy tokens agree (og.Generator vs the server's backend): {ref == direct}", flush=True)
         for rnd in range(args.rounds):
             for n in counts:
@@ -340,12 +360,16 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_tokens),
                     "server": partial(server_run, base, folder.name, batch, args.max_tokens),
                     "direct": partial(_first, direct_loop, backend, batch, args.max_tokens)}
+                if other is not None:
+                    ways["base"] = partial(server_run, other, folder.name, batch, args.max_tokens)
                 order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
                 got = {k: ways[k]() for k in order}
                 for k, run in got.items():
                     results[k].setdefault(n, []).append(run)
                 ratios["server/genai"].setdefault(n, []).append(got["server"].tok_s / got["genai"].tok_s)
                 ratios["server/direct"].setdefault(n, []).append(got["server"].tok_s / got["direct"].tok_s)
+                if other is not None:
+                    ratios["server/base"].setdefault(n, []).append(got["server"].tok_s / got["base"].tok_s)
                 print(f"round {rnd + 1} streams {n}: " + ", ".join(f"{k} {r.tok_s:.0f} tok/s" for k, r in
                                                                      got.items()), flush=True)
     load = os.getloadavg()
@@ -360,13 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     print("| streams | way | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---|---|---|---|---|")
     for n in counts:
-        for k in ("genai", "server", "direct"):
+        for k in results:
             s = report["results"][k][n]
             print(f"| {n} | {k} | {s['tok_s']:.0f} | {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} | "
                   f"{s['itl_p50_ms']:.2f} / {s['itl_p99_ms']:.2f} |")
     for n in counts:
-        print(f"streams {n}: server/genai {report['ratios']['server/genai'][n]:.2f}, "
-              f"server/direct {report['ratios']['server/direct'][n]:.2f}")
+        print(f"streams {n}: " + ", ".join(f"{k} {v[n]:.2f}" for k, v in report["ratios"].items()))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

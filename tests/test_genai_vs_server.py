@@ -45,9 +45,10 @@ def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
     assert bench.main([str(folder), "--threads", "1", "--streams", "1,2", "--rounds", "1", "--prompt-len", "4",
-                       "--max-tokens", "4", "--json", str(out)]) == 0
+                       "--max-tokens", "4", "--json", str(out), "--base-tree", str(DEMO_TEXT.parents[2])]) == 0
     report = json.loads(out.read_text())
-    for way in ("genai", "server", "direct"):
+    assert set(report["ratios"]["server/base"]) == {"1", "2"}
+    for way in ("genai", "server", "direct", "base"):
         for n in ("1", "2"):
             figures = report["results"][way][n]
             assert figures["tok_s"] > 0 and figures["ttft_p50_ms"] > 0, (way, n, figures)
@@ -61,3 +62,6 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as exc:
         bench.main([str(tmp_path), "--streams", "1,x"])
     assert exc.value.code == 2
+    (tmp_path / "genai_config.json").write_text("{}")
+    assert bench.main([str(tmp_path), "--base-tree", str(tmp_path)]) == 2
+    assert "is not a source tree of this project" in capsys.readouterr().err

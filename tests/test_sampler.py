@@ -125,6 +125,25 @@ def test_logit_bias_makes_a_sampled_token_certain_but_never_lifts_the_eos_ban() 
     assert sample(LOGITS[None], [banned])[0] == [3]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eos_ban_alone_takes_the_best_allowed_token_of_each_row_and_leaves_the_input_alone(
+        dtype: torch.dtype) -> None:
+    """The ban-only path (ignore_eos, min_tokens: every step of such streams) against the general one: rows with
+    different bans, a row without any, a vocabulary of end ids only."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0], [5.0, 4.0, 3.0, 1.0], [0.0, 9.0, 1.0, 2.0]], dtype=dtype)
+    before = logits.clone()
+    greedy = SamplingParams(8, temperature=0.0)
+    rows = [Row(greedy, banned=(0,)), Row(greedy, banned=(0, 1)), Row(greedy)]
+    tokens, errors = sample(logits, rows)
+    assert tokens == [1, 2, 1] and errors == [None, None, None]
+    assert torch.equal(logits, before)  # the caller's logits (the model's output) are not written to
+    drawing = [Row(SamplingParams(8, temperature=1.0), new_generator(s), banned=(0, 1, 2)) for s in range(20)]
+    drawn = sample(logits[:1].expand(20, -1), drawing)[0]
+    assert set(drawn) == {3}
+    everything = sample(logits[:1], [Row(greedy, banned=(0, 1, 2, 3))])[1][0]
+    assert isinstance(everything, ProcessorFailed) and "no token left" in str(everything)
+
+
 def test_greedy_is_the_exact_argmax_and_sampling_rows_leave_it_alone() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 1000) * 4

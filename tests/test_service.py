@@ -717,6 +717,41 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("interval", [0.0, 60.0])
+def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_its_wake_ups(
+        interval: float, monkeypatch: pytest.MonkeyPatch, service_text_model: Any) -> None:
+    """The worker wakes the loop at most every HANDOFF_INTERVAL_S (or every HANDOFF_MAX_STEPS steps); each step
+    is still applied on its own and in order (seq.steps: one mark per step, what a stream sends one event for),
+    and the tokens are the reference generation's."""
+    from service import scheduler
+
+    monkeypatch.setattr(scheduler, "HANDOFF_INTERVAL_S", interval)
+    drains = 0
+
+    async def main() -> GenSequence:
+        sched = _scheduler("onnxruntime")
+        drain = sched._drain
+
+        def counting() -> None:
+            nonlocal drains
+            drains += 1
+            drain()
+
+        monkeypatch.setattr(sched, "_drain", counting)
+        sched.start()
+        seq = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=40, temperature=0.0))
+        sched.submit([seq])
+        await _wait(seq)
+        await sched.close()
+        return seq
+
+    seq = asyncio.run(main())
+    assert seq.tokens == generate(service_text_model, TOK.encode("Return the"), 40, temperature=0.0)[0]
+    assert seq.finish_reason == "length" and seq.steps == list(range(1, 41))
+    if interval:  # one wake-up per HANDOFF_MAX_STEPS steps, plus a drain each time the worker returns
+        assert drains <= 40 // scheduler.HANDOFF_MAX_STEPS + 4, drains
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates() -> None:
     async def run(extra: int) -> list[int]:
         sched = _scheduler("onnxruntime")

@@ -43,6 +43,11 @@ from service.engine.sampler import ProcessorFailed, SamplingParams, TokenLogprob
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back to the event loop
+# Shortest time between two wake-ups of the event loop by the worker (service.scheduler._hand_off): each wake-up
+# is a thread switch that, on busy cores, costs the worker its CPU (measured below in docs/BENCHMARKS.md); a model
+# slower than this (the paper-size LM: 4-8 ms a step) still wakes the loop every step
+HANDOFF_INTERVAL_S = 0.001
+HANDOFF_MAX_STEPS = 8  # ... or this many steps are queued: well under what a stream coalesces (MAX_BACKLOG)
 
 
 @dataclass(eq=False)
@@ -173,6 +178,11 @@ class TextScheduler:
         self._exclusive = 0  # stateless forwards (KServe) queued or running on the worker thread
         self._seq_seconds: float | None = None  # moving average of a sequence's time in the batch (Retry-After)
         self._last_wait = 0.0  # what the sequences admitted last waited (Retry-After follows the queued work)
+        # steps' results on their way to the loop (worker appends, loop drains); one wake-up of the loop carries
+        # every step finished since its last drain (_hand_off)
+        self._handoff: deque[list[_Update]] = deque()
+        self._drain_queued = False
+        self._last_wake = 0.0
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -292,9 +302,11 @@ class TextScheduler:
             try:
                 updates = await loop.run_in_executor(self.executor, self._steps, admitted, loop)
             except Exception as exc:
+                self._drain()  # the steps that succeeded before it, in order
                 log.exception("%s: generation step failed", self.model)
                 self._fail(admitted or list(self._active), exc)
                 continue
+            self._drain()  # earlier steps first (normally drained already: their callback ran before this one)
             self._apply(updates)
 
     def _admit(self) -> list[GenSequence]:
@@ -383,9 +395,29 @@ class TextScheduler:
         updates = self._step(admitted)
         until = time.perf_counter() + STEPS_SLICE_S
         while not self._interrupt and time.perf_counter() < until and any(r.live for r in self._rows):
-            loop.call_soon_threadsafe(self._apply, updates)
+            self._hand_off(updates, loop)
             updates = self._step([])
         return updates
+
+    def _hand_off(self, updates: list[_Update], loop: asyncio.AbstractEventLoop) -> None:
+        """Queue a step's results for the loop, waking it only when no drain is queued yet and HANDOFF_INTERVAL_S
+        have passed since the last wake-up (or HANDOFF_MAX_STEPS steps wait). A wake-up (a write to the loop's
+        self-pipe) switches threads: the loop takes the GIL and, on loaded cores, the worker's CPU (profiled on
+        the demo model: up to 0.8 ms a wake-up, more than a step). A fast model now hands over several steps per
+        wake-up, each still applied as its own step (one stream event per step); what is queued when the worker
+        returns is drained by _run. Deque appends/pops and the flag are GIL-atomic; the loop clears the flag
+        before draining, so nothing is left behind."""
+        self._handoff.append(updates)
+        now = time.perf_counter()
+        due = now - self._last_wake >= HANDOFF_INTERVAL_S or len(self._handoff) >= HANDOFF_MAX_STEPS
+        if not self._drain_queued and due:
+            self._drain_queued, self._last_wake = True, now
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_queued = False
+        while self._handoff:
+            self._apply(self._handoff.popleft())
 
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
         keep = [i for i, r in enumerate(self._rows) if r.live]
