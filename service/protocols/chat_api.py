@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
@@ -31,11 +30,11 @@ from service.engine.generation import GenSequence, TokenLogprobs
 from service.engine.runtime import Runtimes, TextRuntime
 from service.protocols import choices, fields, structured
 from service.protocols.chat_template import ChatTemplateError, render
-from service.protocols.endpoint import count_refused, model_call, model_endpoint
+from service.protocols.endpoint import model_call, model_endpoint
 from service.protocols.lifecycle import Tracker
 from service.protocols.openai_api import (
-    Bias,
     CompletionRequest,
+    SamplingExtensions,
     StreamOptions,
     _all_done,
     _first_update,
@@ -48,9 +47,9 @@ from service.protocols.openai_api import (
     choice_counts,
     logit_bias,
     read_json_object,
+    read_text_request,
     sampling_params,
     step_reader,
-    text_models_full,
 )
 
 router = APIRouter(tags=["openai"])
@@ -68,7 +67,7 @@ class ChatMessage(BaseModel):
 Stop = Annotated[str, Field(max_length=256)]
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingExtensions):
     # Strict: "10", "true" are not numbers or booleans. Undeclared fields are judged by service.protocols.fields as on
     # /v1/completions: those that change nothing pass, tools and known unimplemented fields are 400
     # unsupported_parameter, anything else (a typo) 400 unknown_parameter; never accepted and ignored.
@@ -88,30 +87,6 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
-    min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
-    # Penalties and logit_bias as on /v1/completions (service.engine.sampler).
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                           description="subtracted from the logit of every token generated so far")
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                            description="subtracted per occurrence of each token generated so far")
-    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
-        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
-        "ones multiplied"))
-    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
-                                                                 "added to its logit")
-    # Structured output (service.protocols.structured, as on /v1/completions), at most one of these.
-    response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                          '{"name": ..., "schema": {...}}}: the content is valid JSON (matching the schema)')
-    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema to match")
-    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the content is one of these")
-    guided_regex: str | None = Field(None, description="extension (vLLM): the content matches this regex")
-    guided_grammar: str | None = Field(None, description="extension (vLLM): the content matches this Lark/GBNF "
-                                       "grammar")
-    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM): JSON whitespace regex")
-    guided_decoding_backend: str | None = Field(
-        None, description="extension (vLLM): accepted, but the engine is always llguidance")
 
 
 def unsupported_fields(req: ChatCompletionRequest) -> None:
@@ -228,14 +203,7 @@ def _message_choice(tok: Any, seq: GenSequence, index: int, top: int | None) -> 
 async def chat_completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
-    try:
-        text_models_full(runtimes)
-        with phase("preprocess"):
-            req = await read_chat(request, runtimes)
-    except (ServiceError, RequestValidationError, HTTPException) as exc:
-        if isinstance(exc, ServiceError):
-            count_refused(request.app, request.scope, exc.status)
-        raise
+    req = await read_text_request(request, runtimes, read_chat)
     async with model_call(request, req.model, finish=False) as call:
         tracker = call.tracker
         rt = call.runtime(req.model, TextRuntime)

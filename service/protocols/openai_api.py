@@ -17,8 +17,8 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +44,7 @@ from service.protocols.engine_status import http_error
 from service.protocols.lifecycle import Tracker
 from service.protocols.stream_steps import StepReader
 
+RequestT = TypeVar("RequestT")
 router = APIRouter(tags=["openai"])
 OWNER = "multimax-serve"
 
@@ -92,7 +93,37 @@ Stop = Annotated[str, Field(max_length=256)]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
-class CompletionRequest(BaseModel):
+class SamplingExtensions(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share beyond OpenAI's basics: vLLM's extensions, the
+    penalties and logit_bias (service.engine.sampler), and structured output (service.protocols.structured)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
+    min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                           description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                            description="subtracted per occurrence of each token generated so far")
+    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
+        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
+        "ones multiplied"))
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                 "added to its logit")
+    # Structured output (service.protocols.structured), at most one of these.
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}: the output is valid JSON (matching the schema)')
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema to match")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the output is one of these")
+    guided_regex: str | None = Field(None, description="extension (vLLM): the output matches this regex")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): the output matches this Lark/GBNF grammar")
+    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM): JSON whitespace regex")
+    guided_decoding_backend: str | None = Field(
+        None, description="extension (vLLM): accepted, but the engine is always llguidance")
+
+
+class CompletionRequest(SamplingExtensions):
     # Undeclared fields: service.protocols.fields (user, metadata, ... pass; others are refused). Strict: "10", "true",
     # [[false]] are not numbers, booleans or token ids (OpenAI refuses them too), so nothing is coerced.
     model_config = ConfigDict(extra="allow", strict=True)
@@ -112,30 +143,7 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     echo: bool | None = Field(False, description="the prompt before the completion (its logprobs too)")
     logprobs: int | None = Field(None, ge=0, le=5, description="raw model logprobs, with this many alternatives")
-    ignore_eos: bool | None = Field(False, description="extension (vLLM): never end at eos")
-    min_tokens: int | None = Field(0, ge=0, description="extension (vLLM): no eos nor stop before this many")
     suffix: str | None = Field(None, description="not supported: must be null")
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                           description="subtracted from the logit of every token generated so far")
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                            description="subtracted per occurrence of each token generated so far")
-    repetition_penalty: float | None = Field(1.0, gt=0, le=2, allow_inf_nan=False, description=(
-        "extension (vLLM): tokens of the prompt and the completion have positive logits divided by it, negative "
-        "ones multiplied"))
-    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
-                                                                 "added to its logit")
-    # Structured output (service.protocols.structured), at most one of these; an undeclared field is refused unless it
-    # changes nothing (service.protocols.fields).
-    response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                          '{"name": ..., "schema": {...}}}: the output is valid JSON (matching the schema)')
-    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema to match")
-    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the output is one of these")
-    guided_regex: str | None = Field(None, description="extension (vLLM): the output matches this regex")
-    guided_grammar: str | None = Field(None, description="extension (vLLM): the output matches this Lark/GBNF grammar")
-    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM): JSON whitespace regex")
-    guided_decoding_backend: str | None = Field(
-        None, description="extension (vLLM): accepted, but the engine is always llguidance")
 
 
 class Usage(BaseModel):
@@ -401,6 +409,20 @@ def text_models_full(runtimes: Runtimes) -> None:
     raise error
 
 
+async def read_text_request(request: Request, runtimes: Runtimes,
+                            read: Callable[[Request, Runtimes], Awaitable[RequestT]]) -> RequestT:
+    """A text route's body, read and validated after checking there is room for it; a refusal before the model
+    is known is counted under the route's label."""
+    try:
+        text_models_full(runtimes)
+        with phase("preprocess"):
+            return await read(request, runtimes)
+    except (ServiceError, RequestValidationError, HTTPException) as exc:
+        if isinstance(exc, ServiceError):
+            count_refused(request.app, request.scope, exc.status)
+        raise
+
+
 @router.post("/v1/completions", response_model=Completion, summary="Text completion (OpenAI), streamed with SSE",
              openapi_extra=COMPLETION_BODY,
              responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"},
@@ -409,14 +431,7 @@ def text_models_full(runtimes: Runtimes) -> None:
 async def completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
-    try:
-        text_models_full(runtimes)
-        with phase("preprocess"):
-            req = await read_completion(request, runtimes)
-    except (ServiceError, RequestValidationError, HTTPException) as exc:
-        if isinstance(exc, ServiceError):
-            count_refused(request.app, request.scope, exc.status)
-        raise
+    req = await read_text_request(request, runtimes, read_completion)
     async with model_call(request, req.model, finish=False) as call:
         tracker = call.tracker
         rt = call.runtime(req.model, TextRuntime)
