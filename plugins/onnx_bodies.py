@@ -47,6 +47,11 @@ class Body:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
         return outs
 
+    def named(self, op_type: str, inputs: list[str], outs: list[str], **attrs: Any) -> str:
+        """A node whose outputs have the given names (a body that must keep the names it always had)."""
+        self.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        return outs[0]
+
     def name_output(self, result: str, name: str) -> None:
         """Give the body's result the name `name`: the last node's output renamed where it produced it (no extra
         node), else an Identity."""
@@ -63,9 +68,9 @@ class Body:
             return self.op("Constant", value_int=value)
         return self.op("Constant", value_float=float(value))
 
-    def attr(self, name: str) -> str:
-        """A Constant holding the calling node's attribute `name`."""
-        out = f"t{next(self._names)}"
+    def attr(self, name: str, out: str | None = None) -> str:
+        """A Constant holding the calling node's attribute `name` (output `out`, else a fresh name)."""
+        out = out or f"t{next(self._names)}"
         node = helper.make_node("Constant", [], [out])
         kind = ATTRIBUTE_TYPES[name]
         node.attribute.append(AttributeProto(name=_REF_VALUE[kind], ref_attr_name=name, type=kind))
@@ -157,19 +162,44 @@ class Body:
             y = self.op("Add", y, term)
         return y
 
+    def sigma_as_shipped(self, x: str, out: str) -> str:
+        """The same sigma, node for node and name for name as MultiMax's bodies have always been written, so a
+        MultiMax model exports byte for byte as before the family (tests/test_reweighting_export.py); a body that
+        uses it names every other node itself too (its names would meet the fresh t0, t1, ...)."""
+        n = self.named
+        self.attr("ranges", "ranges"), self.attr("ts", "ts")
+        n("Split", ["ranges"], ["r0", "r1", "r2", "r3"], axis=0, num_outputs=4)
+        n("Split", ["ts"], ["t0", "t1", "t2", "t3"], axis=0, num_outputs=4)
+        for i, (a, b, relu) in enumerate((("r0", x, "low1"), (x, "r1", "high1"), ("r2", x, "low2"),
+                                          (x, "r3", "high2"))):
+            n("Sub", [a, b], [f"d{i}"])
+            n("Relu", [f"d{i}"], [relu])
+            if i < 2:
+                n("Mul", [f"t{i}", relu], [f"a{i}"])
+            else:
+                n("Mul", [relu, relu], [f"sq{i}"])
+                n("Mul", [f"t{i}", f"sq{i}"], [f"a{i}"])
+        n("Add", [x, "a0"], ["s0"])
+        n("Add", ["s0", "a1"], ["s1"])
+        n("Add", ["s1", "a2"], ["s2"])
+        return n("Add", ["s2", "a3"], [out])
+
 
 # ---- the ops ------------------------------------------------------------------------------------------
 
 
 def multimax(b: Body) -> str:
     """softmax(sigma(x) + mask): the mask AFTER the modulation (modulating -inf would give NaN)."""
-    y = b.sigma("x")
-    return b.op("Softmax", b.op("Add", y, "mask") if b.masked else y, axis=-1)
+    if b.masked:
+        modulated = b.named("Add", [b.sigma_as_shipped("x", "sigma"), "mask"], ["modulated"])
+    else:
+        modulated = b.sigma_as_shipped("x", "modulated")
+    return b.named("Softmax", [modulated], ["y"], axis=-1)
 
 
 def multimax_sigma(b: Body) -> str:
     """sigma(x) alone (`MultiMaxSigma`: the output layer's logits)."""
-    return b.sigma("x")
+    return b.sigma_as_shipped("x", "y")
 
 
 

@@ -30,6 +30,7 @@ from models.demo import DEMO_DIR, TEXT_MULTIMAX, VISION_MULTIMAX, VISION_SOFTMAX
 from models.generate import generate
 from models.multimax import multimax, paper_params, sigma
 from models.onnx_contract import VISION_INPUT
+from models.registry import describe_model
 from plugins import ort_ops
 from plugins.ort_ops.__main__ import main as ort_ops_main
 from plugins.ort_ops.graphs import op_model, scores_model
@@ -243,7 +244,8 @@ def test_text_demo_same_logits_and_greedy_text_with_and_without(lib: ort_ops.Lib
     model, ckpt, _ = load(DEMO_DIR / TEXT_MULTIMAX)
     path = export_text(model, ckpt, tmp_path / "text.onnx")
     rng = np.random.default_rng(0)
-    feeds = [validate._text_case(model, rng, past)[0] for past in (0, 5, 16)]  # prefill and decode, left padding
+    spec = describe_model(model)
+    feeds = [validate._text_case(model, spec, rng, past)[0] for past in (0, 5, 16)]  # prefill, decode, left padding
     report = compare_fused(path, feeds)
     assert report["in_use"] and report["max_abs_vs_function_bodies"] <= 1e-5 and not report["failures"]
     fused, bodies = cpu_session(path), cpu_session(path, fused=False)

@@ -19,7 +19,14 @@ from models.checkpoint import Checkpoint, save_checkpoint
 from models.deit import DeiT, DeiTConfig
 from models.demo import DEMO_DIR, VISION_MULTIMAX
 from models.gpt import GPT, GPTConfig
-from models.onnx_contract import REWEIGHTING_ATTRIBUTES, REWEIGHTING_OPS, reweighting_op_types
+from models.onnx_contract import (
+    REWEIGHTING_ATTRIBUTES,
+    REWEIGHTING_OPS,
+    meta_key,
+    read_metadata,
+    reweighting_op_types,
+)
+from models.registry import read_spec
 from models.tokenizer import ByteTokenizer
 from plugins import ort_ops
 from plugins.onnx_functions import attribute_problems, function_protos
@@ -188,9 +195,18 @@ def test_shipped_demo_exports_as_before(tmp_path: Path) -> None:
         proto = onnx.load(str(path))
         for node in proto.graph.node:
             del node.metadata_props[:]
+        # the one addition since the shipped file: the model description (models.spec), which the compatibility
+        # reader derives for the shipped file from its legacy keys, equal to what the new file carries
+        spec = [p for p in proto.metadata_props if p.key == meta_key("spec")]
+        descriptions.append(read_spec(read_metadata({p.key: p.value for p in proto.metadata_props})))
+        for p in spec:
+            proto.metadata_props.remove(p)
         return proto.SerializeToString()
 
-    assert stripped(tmp_path / "digits.onnx") == stripped(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
+    descriptions: list = []
+    new = stripped(tmp_path / "digits.onnx")
+    assert new == stripped(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx"))
+    assert descriptions[0] == descriptions[1]
 
 
 def test_attribute_problems_name_each_contract_breach() -> None:

@@ -723,7 +723,7 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
     """The worker wakes the loop at most every HANDOFF_INTERVAL_S (or every HANDOFF_MAX_STEPS steps); each step
     is still applied on its own and in order (seq.steps: one mark per step, what a stream sends one event for),
     and the tokens are the reference generation's."""
-    from service import scheduler
+    from service.engine import scheduler
 
     monkeypatch.setattr(scheduler, "HANDOFF_INTERVAL_S", interval)
     drains = 0
