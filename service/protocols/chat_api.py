@@ -12,7 +12,6 @@ role first, then the content as it is complete (one chunk per decode step), then
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -28,7 +27,7 @@ from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_res
 from service.base.tracing import phase
 from service.engine.generation import GenSequence, TokenLogprobs
 from service.engine.runtime import Runtimes, TextRuntime
-from service.protocols import choices, fields, structured
+from service.protocols import choices, fields
 from service.protocols.chat_template import ChatTemplateError, render
 from service.protocols.endpoint import model_call, model_endpoint
 from service.protocols.lifecycle import Tracker
@@ -36,20 +35,18 @@ from service.protocols.openai_api import (
     CompletionRequest,
     SamplingExtensions,
     StreamOptions,
-    _all_done,
-    _first_update,
     _inline_refs,
     _raise_errors,
     _sse,
-    _SSEResponse,
-    _timing,
     _utf8,
     choice_counts,
     logit_bias,
     read_json_object,
     read_text_request,
+    run_sequences,
     sampling_params,
     step_reader,
+    with_structured_output,
 )
 
 router = APIRouter(tags=["openai"])
@@ -220,35 +217,17 @@ async def chat_completions(request: Request) -> Response:
             if exc.param == "prompt":
                 exc.param = "messages"  # the chat's prompt is its rendered messages
             raise
-        asked = dict(req)
-        # A grammar compiles in the engine (up to ~100 ms for a big schema): off the event loop.
-        processors = (await asyncio.to_thread(structured.processors_for, asked, rt.tokenizer)
-                      if structured.requested(asked) else structured.processors_for(asked, rt.tokenizer))
-        if processors:
-            params = dataclasses.replace(params, processors=processors)
+        [params] = await with_structured_output(req, rt.tokenizer, [params])
         seqs = choices.expand([prompt], [params], n, changed)[0]
-        rt.scheduler.submit(seqs)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
                 "system_fingerprint": f"{rt.name}:{rt.version}"}
         top = creq.logprobs
-        try:
-            if req.stream:
-                await call.wait(_first_update(seqs, changed))
-                call.timing(*_timing(seqs, "first_token"))
-                stream = _chat_stream(rt, seqs, changed, meta, req.stream_options or StreamOptions(), top, tracker)
-
-                def cleanup() -> None:
-                    for s in seqs:
-                        rt.scheduler.cancel(s)
-                    tracker.finish("cancelled")
-
-                return _SSEResponse(stream, cleanup)
-            await call.wait(_all_done(seqs, changed))
-        except BaseException:
-            for s in seqs:
-                rt.scheduler.cancel(s)
-            raise
-        call.timing(*_timing(seqs, "finished"))
+        options = req.stream_options or StreamOptions()
+        sse = await run_sequences(call, rt, seqs, changed,
+                                  (lambda: _chat_stream(rt, seqs, changed, meta, options, top, tracker))
+                                  if req.stream else None)
+        if sse is not None:
+            return sse
         body = {**meta, "object": "chat.completion",
                 "choices": [_message_choice(rt.tokenizer, s, i, top) for i, s in enumerate(seqs)],
                 "usage": choices.usage([seqs])}

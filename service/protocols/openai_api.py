@@ -39,7 +39,7 @@ from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime
 from service.engine.sampler import MAX_LOGIT_BIAS, SamplingParams
 from service.engine.scheduler import GenSequence
 from service.protocols import choices, fields, structured
-from service.protocols.endpoint import count_refused, model_call, model_endpoint
+from service.protocols.endpoint import ModelCall, count_refused, model_call, model_endpoint
 from service.protocols.engine_status import http_error
 from service.protocols.lifecycle import Tracker
 from service.protocols.stream_steps import StepReader
@@ -423,6 +423,42 @@ async def read_text_request(request: Request, runtimes: Runtimes,
         raise
 
 
+async def with_structured_output(req: BaseModel, tokenizer: Any, params: list[SamplingParams]) -> list[SamplingParams]:
+    """`params` with the request's structured-output processors (service.protocols.structured), if it asks for
+    any; 400 naming the field for a bad grammar. A grammar compiles in the engine (up to ~100 ms for a big
+    schema): off the event loop."""
+    asked = dict(req)
+    processors = (await asyncio.to_thread(structured.processors_for, asked, tokenizer)
+                  if structured.requested(asked) else structured.processors_for(asked, tokenizer))
+    return [dataclasses.replace(p, processors=processors) for p in params] if processors else params
+
+
+async def run_sequences(call: ModelCall, rt: TextRuntime, seqs: list[GenSequence], changed: asyncio.Event,
+                        stream: Callable[[], AsyncIterator[bytes]] | None) -> Response | None:
+    """Submit `seqs` and wait for them (None: they are done), or, given `stream`, for their first token and then
+    answer with its Server-Sent Events (waiting first: a failure until then is still a proper HTTP error, and
+    Server-Timing can tell the queue time). However the wait ends early, the sequences are cancelled."""
+    rt.scheduler.submit(seqs)
+    try:
+        if stream is not None:
+            await call.wait(_first_update(seqs, changed))
+            call.timing(*_timing(seqs, "first_token"))
+
+            def cleanup() -> None:
+                for s in seqs:
+                    rt.scheduler.cancel(s)
+                call.tracker.finish("cancelled")  # no-op if the stream ended normally
+
+            return _SSEResponse(stream(), cleanup)
+        await call.wait(_all_done(seqs, changed))
+    except BaseException:
+        for s in seqs:
+            rt.scheduler.cancel(s)
+        raise
+    call.timing(*_timing(seqs, "finished"))
+    return None
+
+
 @router.post("/v1/completions", response_model=Completion, summary="Text completion (OpenAI), streamed with SSE",
              openapi_extra=COMPLETION_BODY,
              responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or its stream"},
@@ -443,37 +479,15 @@ async def completions(request: Request) -> Response:
         changed = asyncio.Event()
         bias = logit_bias(req, rt.tokenizer.vocab_size)
         params = [sampling_params(req, len(p), context, settings.default_max_tokens, bias) for p in prompts]
-        asked = dict(req)
-        # A grammar compiles in the engine (up to ~100 ms for a big schema): off the event loop.
-        processors = (await asyncio.to_thread(structured.processors_for, asked, rt.tokenizer)
-                      if structured.requested(asked) else structured.processors_for(asked, rt.tokenizer))
-        if processors:
-            params = [dataclasses.replace(sp, processors=processors) for sp in params]
+        params = await with_structured_output(req, rt.tokenizer, params)
         groups = choices.expand(prompts, params, best_of, changed)
         seqs = [s for g in groups for s in g]
-        rt.scheduler.submit(seqs)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
                 "system_fingerprint": f"{rt.name}:{rt.version}"}  # the model version that answers
-        try:
-            if req.stream:
-                # Wait for the first token before answering: a failure until then is still a proper HTTP error,
-                # and Server-Timing can tell the queue time.
-                await call.wait(_first_update(seqs, changed))
-                call.timing(*_timing(seqs, "first_token"))
-                stream = _stream(rt, groups, changed, meta, req, tracker)
-
-                def cleanup() -> None:
-                    for s in seqs:
-                        rt.scheduler.cancel(s)
-                    tracker.finish("cancelled")  # no-op if the stream ended normally
-
-                return _SSEResponse(stream, cleanup)
-            await call.wait(_all_done(seqs, changed))
-        except BaseException:
-            for s in seqs:
-                rt.scheduler.cancel(s)
-            raise
-        call.timing(*_timing(seqs, "finished"))
+        sse = await run_sequences(call, rt, seqs, changed,
+                                  (lambda: _stream(rt, groups, changed, meta, req, tracker)) if req.stream else None)
+        if sse is not None:
+            return sse
         body = {
             **meta,
             "object": "text_completion",
