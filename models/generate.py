@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
@@ -114,6 +115,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
+def _last_row_only(model: TextModel) -> dict[str, Any]:
+    """The prefill's keyword for one row of logits where the model takes it (models.llama's logits_to_keep)."""
+    forward = cast(Any, model).forward
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
+
+
 def _empty_past(model: TextModel, batch_size: int) -> tuple[PastKeyValues, torch.device]:
     """A zero-length cache for `model` and the device it runs on."""
     past = model.empty_past(batch_size)
@@ -169,7 +176,8 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers)
+        logits, cache.layers = model(input_ids, attention_mask=attention_mask, past_key_values=cache.layers,
+                                     **_last_row_only(model))
         for step in range(budget):
             next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator, output_function)
             for row, tok in enumerate(next_ids.tolist()):

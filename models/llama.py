@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, cast
 
@@ -29,6 +29,7 @@ from models.config_base import ModelConfig
 
 from .attention_function import config_dict, make_attention_function, normalise_config
 from .attention_hook import Attend, AttentionLayer, LayerAttend, attention_layer, for_layer
+from .cache_growth import extend, traced
 from .gpt import PastKeyValues, build_attention_mask, empty_past, past_and_positions
 from .multimax import PAPER_TABLE_8, Modulation, attention_probs, paper_params
 
@@ -228,12 +229,15 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def _repeat_kv(x: Tensor, groups: int) -> Tensor:
-    """(B, n_local_heads, L, D) -> (B, n_head, L, D): each key/value head serves `groups` query heads."""
+def _grouped(a: Tensor, b: Tensor, groups: int) -> Tensor:
+    """a (B, n_head, T, X) @ b (B, n_local_heads, X, Y) -> (B, n_head, T, Y), query head h on key/value head
+    h // groups (Hugging Face's repeat_kv order) without materialising the repeated cache: the `groups` query
+    heads of one key/value head are stacked along T and share one matmul."""
     if groups == 1:
-        return x
-    B, H, L, D = x.shape
-    return x[:, :, None].expand(B, H, groups, L, D).reshape(B, H * groups, L, D)
+        return a @ b
+    B, H, T, X = a.shape
+    out = a.reshape(B, H // groups, groups * T, X) @ b
+    return out.view(B, H, T, out.shape[-1])
 
 
 KV = tuple[Tensor, Tensor]
@@ -253,6 +257,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.multimax = Modulation(config.variant, affine=False) if multimax else None  # type: ignore[arg-type]
         self.reweight = make_attention_function(config.attention_function, config.n_head, config.attention_options)
+        self.max_length = config.block_size  # the cache buffer never grows past the context
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: KV | None,
                 attend: LayerAttend | None = None) -> tuple[Tensor, KV]:
@@ -267,16 +272,16 @@ class Attention(nn.Module):
             flat = [t.transpose(1, 2).reshape(B, T, -1) for t in (q, k, v)]
             y, present = attend(flat[0], flat[1], flat[2], past, mask)
             return self.wo(y), present
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
+        if past is not None:  # in place in the past's buffer where it has room (models.cache_growth)
+            k = extend(past[0], k, self.max_length)
+            v = extend(past[1], v, self.max_length)
         groups = self.n_head // self.n_local_heads
-        scores = (q @ _repeat_kv(k, groups).transpose(-2, -1)) * self.scale
+        scores = _grouped(q, k.transpose(-2, -1), groups) * self.scale
         if self.reweight is not None:
             probs = self.reweight(scores, mask)
         else:
             probs = attention_probs(scores, self.multimax, mask)  # modulate, then mask, then softmax
-        y = (probs.to(v.dtype) @ _repeat_kv(v, groups)).transpose(1, 2).reshape(B, T, -1)
+        y = _grouped(probs.to(v.dtype), v, groups).transpose(1, 2).reshape(B, T, -1)
         return self.wo(y), (k, v)
 
 
@@ -310,6 +315,10 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     """Decoder-only LM for Llama / Qwen2 / Qwen3 configs; forward as `GPT.forward`, logits in float32."""
+
+    # A fused SegLU, fn(logits, ranges, ts) -> sigma(logits), that inference on CPU calls instead of the reference
+    # (set by plugins.cpu_sigma.use_cpu_sigma; None here: models never import plugins).
+    fused_sigma: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -363,13 +372,19 @@ class Llama(nn.Module):
         attention_mask: Tensor | None = None,
         past_key_values: PastKeyValues | None = None,
         attend: Attend | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[Tensor, PastKeyValues]:
         """Logits (B, T, V) in float32 (after SegLU where the model has it) and the presents.
 
+        logits_to_keep: N > 0 computes the logits (LM head and SegLU) of the last N positions only, (B, N, V), as
+        transformers' argument of that name: a prefill that samples needs one row, not T (the SegLU is a dozen
+        elementwise passes over every logit it is given).
+
         attention_mask: (B, past_len + T), 1 for real tokens, 0 for padding (left or right).
         past_key_values / presents: per layer (key, value) (B, n_local_heads, length, head_dim); present =
-        concat(past, new). position_ids default to the count of real tokens before each one. `attend`: each
-        layer's attention by that instead (models.attention_hook).
+        concat(past, new), grown in place (models.cache_growth: extend a past once). position_ids default to the
+        count of real tokens before each one. `attend`: each layer's attention by that instead
+        (models.attention_hook).
         """
         T = input_ids.shape[1]
         past_len, position_ids = past_and_positions(
@@ -384,9 +399,15 @@ class Llama(nn.Module):
             x, present = block(x, cos, sin, mask, past_key_values[i] if past_key_values else None,
                                for_layer(attend, i))
             presents.append(present)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
         logits = self.output(self.norm(x)).float()
-        if self.output_multimax is not None:
-            logits = self.output_multimax(logits)  # fp32: the squared terms overflow half precision
+        if self.output_multimax is not None:  # fp32: the squared terms overflow half precision
+            head, fused = self.output_multimax, self.fused_sigma
+            if fused is not None and logits.device.type == "cpu" and not torch.is_grad_enabled() and not traced():
+                logits = fused(logits, head.ranges, head.ts)
+            else:
+                logits = head(logits)
         return logits, presents
 
 

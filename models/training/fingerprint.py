@@ -25,7 +25,7 @@ SOURCES = {
     "text": ("training/text.py", "training/optim.py", "gpt.py", "multimax.py", "tokenizer.py"),
     # the demo LLM: its trainer and folder writer, the corpus (text.py), the model and what its forward imports
     "llm": ("training/llm.py", "training/llm_folder.py", "training/text.py", "llama.py", "gpt.py", "multimax.py",
-            "attention_function.py"),
+            "attention_function.py", "cache_growth.py"),
 }
 
 

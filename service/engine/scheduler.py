@@ -493,7 +493,12 @@ class TextScheduler:
             ids[i, longest - len(s.prompt):] = s.prompt
             mask[i, longest - len(s.prompt):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        logits, presents = self.backend.run_text(ids, mask, positions, self.backend.empty_past(len(unique)))
+        past = self.backend.empty_past(len(unique))
+        if getattr(self.backend, "keeps_last_logits", False) and not any(s.params.prompt_logprobs for s in unique):
+            # one row of logits per prompt, not T (the LM head and SegLU over a whole prompt are wasted work)
+            logits, presents = self.backend.run_text(ids, mask, positions, past, last_only=True)  # type: ignore[call-arg]
+        else:
+            logits, presents = self.backend.run_text(ids, mask, positions, past)
         prompt_lps = [self._prompt_logprobs(s, logits[i]) if s.params.prompt_logprobs else None
                       for i, s in enumerate(unique)]
         last = _as_torch(logits[:, -1])

@@ -649,6 +649,31 @@ MM_EXPORT void MultiMaxRunCounts(uint64_t* runs, uint64_t* in_place) {
   *in_place = multimax::g_in_place_runs.load();
 }
 
+// y = sigma(x) over n floats on the calling thread (y may be x), for PyTorch on CPUs (plugins/cpu_sigma.py calls it
+// by ctypes): the LM head's SegLU on a decode step's logits, one vectorised pass instead of a dozen tensor ops.
+// isa: a kernel path, or null / empty for the CPU's best. 0 on success; -1: that path is unknown or this CPU
+// lacks it.
+MM_EXPORT int MultiMaxSigmaRow(const float* x, float* y, int64_t n, const float* ranges, const float* ts,
+                               const char* isa) {
+  using namespace multimax;
+  const RowKernels* k = nullptr;
+  if (isa && *isa) {
+    if (!kernels_for(isa) || !cpu_has(isa)) return -1;
+    k = kernels_for(isa);
+  } else {
+    static const RowKernels* best = [] {
+      for (const char* name : {"avx512", "avx2"})
+        if (kernels_for(name) && cpu_has(name)) return kernels_for(name);
+      return &portable::kernels;
+    }();
+    k = best;
+  }
+  Sigma p;
+  for (int i = 0; i < 4; ++i) p.r[i] = ranges[i], p.t[i] = ts[i];
+  k->sigma(p, x, y, n);
+  return 0;
+}
+
 // Every kernel path compiled into this library (whether or not this CPU runs it).
 MM_EXPORT const char* MultiMaxCompiledPaths() {
 #if defined(__x86_64__)

@@ -54,6 +54,10 @@ class VisionBackend(Backend):
 class TextBackend(Backend):
     """Runs a decoder with a KV cache."""
 
+    # True where `run_text(..., last_only=True)` computes only the last position's logits (B, 1, V); callers that
+    # need one row take logits[:, -1] either way.
+    keeps_last_logits: bool = False
+
     @abstractmethod
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import threading
@@ -18,6 +19,7 @@ from models.checkpoint import Checkpoint, build_model, config_of, parse, read_fi
 from models.loading import CheckpointError, check_keys
 from models.registry import TextModel
 from models.spec import TEXT, VisionSpec
+from plugins.cpu_sigma import use_cpu_sigma
 from plugins.torch_op import use_fused_kernels
 from service.engine.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.engine.backends.probe import torch_cuda_available
@@ -68,6 +70,8 @@ class _TorchBackend(Backend):
         # On a GPU every attention reweighting (MultiMax and the others) runs its Triton kernel (one custom op that
         # torch.compile keeps whole).
         self.fused_reweighting = use_fused_kernels(self.model) if device.type == "cuda" else 0
+        # On a CPU the LM head's SegLU runs the fused library's kernel (one pass instead of a dozen tensor ops).
+        self.fused_sigma = use_cpu_sigma(self.model) if device.type == "cpu" else False
         self.compiled = compile
         # dynamic=True: batch size and sequence length change from call to call; one graph serves all.
         self.forward: Callable[..., Any] = torch.compile(self.model, dynamic=True) if compile else self.model
@@ -87,6 +91,8 @@ class _TorchBackend(Backend):
         out: dict[str, Any] = {"backend": self.kind, "provider": self.provider, "file": self.path.name}
         if self.fused_reweighting:  # attention layers whose reweighting runs the Triton kernel
             out["fused_reweighting_layers"] = self.fused_reweighting
+        if self.fused_sigma:
+            out["fused_seglu"] = "cpu"
         return out
 
 
@@ -113,14 +119,22 @@ class TorchTextBackend(_TorchBackend, TextBackend):
             _, past = self.run_text(ids, mask, positions, self.empty_past(batch))
             self.run_text(ids[:, :1], np.ones((batch, length + 1), np.int64), positions[:, :1] + length, past)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # models.llama computes the last position's logits alone when asked (the LM head and SegLU of one row
+        # instead of a whole prompt's)
+        self.keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
     @torch.inference_mode()
     def run_text(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, Past]:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device)
 
-        logits, presents = self.forward(dev(input_ids), dev(position_ids), dev(attention_mask), list(past))
+        keep = {"logits_to_keep": 1} if last_only and self.keeps_last_logits else {}
+        logits, presents = self.forward(dev(input_ids), dev(position_ids), dev(attention_mask), list(past), **keep)
         return logits.float(), list(presents)
 
     def to_numpy(self, logits: Any) -> np.ndarray:
