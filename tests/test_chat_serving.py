@@ -537,3 +537,60 @@ def test_genai_folder_is_served_and_batches_prompts_of_different_lengths(
         for t in threads:
             t.join(60)
         assert [results[i] for i in range(len(prompts))] == want
+
+
+def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_path: Path) -> None:
+    """The server's decode loop on a GroupQueryAttention folder, driven step by step: rows of different lengths
+    prefilled together, the longest leaving (its columns trimmed from the end), a newcomer merged; each row's greedy
+    tokens equal the model's alone, and the cache is never realigned (right-padded from prefill to the end)."""
+    from export.genai_folder import write_folder
+    from models.checkpoint import load
+    from models.cli import main as models_main
+    from service.engine import kvcache
+    from service.engine.model_folders import GenaiTextBackend
+
+    assert models_main(["init", "gpt-nano", "--multimax", "none", "-o", str(tmp_path / "m.pt")]) == 0
+    model, ckpt, _ = load(tmp_path / "m.pt")
+    folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=False)
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    backend = GenaiTextBackend(folder, decoder, Settings(intra_op_threads=1))
+    assert backend.right_padded and backend.cache_layout == kvcache.RIGHT
+    prompts = [[5, 9, 77, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 7]]
+    newcomer = [60, 61, 62, 63, 64, 65]
+    want = {i: generate(model, p, 10, temperature=0.0)[0] for i, p in enumerate([*prompts, newcomer])}
+
+    def prefill(batch: list[list[int]]) -> tuple[list[int], kvcache.Past, np.ndarray]:
+        longest = max(map(len, batch))
+        ids, mask = np.zeros((len(batch), longest), np.int64), np.zeros((len(batch), longest), np.int64)
+        for i, p in enumerate(batch):
+            ids[i, longest - len(p):], mask[i, longest - len(p):] = p, 1
+        logits, past = backend.run_text(ids, mask, np.maximum(mask.cumsum(1) - 1, 0), backend.empty_past(len(batch)))
+        return [int(t) for t in logits[:, -1].argmax(-1)], past, mask
+
+    got: dict[int, list[int]] = {}
+    last, past, mask = prefill(prompts)
+    rows = [0, 1, 2]
+    for i, t in zip(rows, last, strict=True):
+        got[i] = [t]
+    for step in range(9):
+        if step == 3:  # the longest prompt's row leaves; a newcomer joins
+            keep = [0, 2]
+            past, mask = kvcache.select(past, mask, [rows.index(r) for r in keep], kvcache.RIGHT)
+            rows, last = keep, [last[rows.index(r)] for r in keep]
+            first, new_past, new_mask = prefill([newcomer])
+            past, mask = kvcache.merge(past, mask, new_past, new_mask, kvcache.RIGHT)
+            rows, last = [*rows, 3], [*last, first[0]]
+            got[3] = [first[0]]
+        ids = np.array([[t] for t in last], np.int64)
+        positions = mask.sum(axis=1, keepdims=True)
+        mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        logits, past = backend.run_text(ids, mask, positions, past)
+        assert past[0][0].shape[2] == mask.shape[1]
+        last = [int(t) for t in logits[:, -1].argmax(-1)]
+        for r, t in zip(rows, last, strict=True):
+            got[r].append(t)
+    assert got[0] == want[0] and got[2] == want[2]
+    assert got[1] == want[1][:4] and got[3] == want[3][:len(got[3])]
+    # right-padded: the shortest row's cache has zeros (never written) after its own positions
+    k = past[0][0]
+    assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()

@@ -621,6 +621,27 @@ def test_kv_merge_pads_left_and_select_trims_padding(kind: str) -> None:
     assert np.array_equal(np.asarray(past[0][0])[0], a[1, :, 2:])
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
+    """GroupQueryAttention's layout: each row's positions first; the mask stays right-aligned as ever."""
+    def arr(x: np.ndarray) -> Any:
+        return x if kind == "numpy" else torch.from_numpy(x)
+
+    a = np.arange(2 * 1 * 5 * 2, dtype=np.float32).reshape(2, 1, 5, 2)
+    a[1, :, 3:] = 0  # row 1 holds 3 positions, at the start
+    b = np.ones((1, 1, 3, 2), np.float32)
+    mask_a = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    past, mask = kvcache.merge([(arr(a), arr(a))], mask_a, [(arr(b), arr(b))], np.ones((1, 3), np.int64),
+                               kvcache.RIGHT)
+    k = np.asarray(past[0][0])
+    assert k.shape == (3, 1, 5, 2) and mask.tolist()[2] == [0, 0, 1, 1, 1]
+    assert np.array_equal(k[2, :, :3], b[0]) and not k[2, :, 3:].any()
+    past, mask = kvcache.select(past, mask, [1, 2], kvcache.RIGHT)  # the 5-long row leaves: 2 columns go
+    assert mask.shape == (2, 3) and np.asarray(past[0][1]).shape == (2, 1, 3, 2)
+    assert np.array_equal(np.asarray(past[0][0])[0], a[1, :, :3])  # the row's own positions, from the start
+    assert np.array_equal(np.asarray(past[0][0])[1], b[0])
+
+
 def test_text_stream_holds_back_possible_stop_prefixes_and_partial_utf8() -> None:
     stream = TextStream(TOK, [b"END"])
     ids = TOK.encode("ab")

@@ -1,9 +1,13 @@
 """Row and column surgery on a batched KV cache, for numpy (ONNX Runtime) and torch (PyTorch) alike.
 
-Rows are sequences, the cache's axis 2 (the mask's axis 1) is time. Sequences are right-aligned:
-a newcomer with a shorter history is padded on the left (its mask 0 there), and columns that are
-padding for every row are trimmed from the left again, so the cache is never longer than the
-longest live sequence.
+Rows are sequences, the cache's axis 2 (the mask's axis 1) is time. The mask is always right-aligned: a
+newcomer with a shorter history is padded on the left (its mask 0 there), and columns that are padding for
+every row are trimmed from the left again, so the cache is never longer than the longest live sequence.
+The cache itself is laid out as the backend's graph reads it (`TextBackend.cache_layout`):
+- "left-padded" (the default): as the mask, each row's real positions at the end;
+- "right-padded": each row's real positions first, padding after (onnxruntime's GroupQueryAttention reads a
+  row's cache from the start of its buffer, and how many positions are real from the mask's row sums), so the
+  backend never realigns the cache around a call.
 """
 
 from __future__ import annotations
@@ -37,55 +41,75 @@ def take_rows(x: Any, rows: list[int]) -> Any:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
-def pad_left(x: Any, n: int, axis: int) -> Any:
-    """`n` zero columns before the first along `axis` (the mask marks them as padding)."""
+Layout = str  # "left-padded" | "right-padded"
+LEFT, RIGHT = "left-padded", "right-padded"
+
+
+def pad(x: Any, n: int, axis: int, at_end: bool = False) -> Any:
+    """`n` zero columns before the first along `axis` (after the last with `at_end`); the mask marks them as
+    padding."""
     if n == 0:
         return x
     shape = list(x.shape)
     shape[axis] = n
     if _is_numpy(x):
-        return np.concatenate([np.zeros(shape, x.dtype), x], axis=axis)
+        zeros = np.zeros(shape, x.dtype)
+        return np.concatenate([x, zeros] if at_end else [zeros, x], axis=axis)
     import torch
 
-    return torch.cat([x.new_zeros(shape), x], dim=axis)
+    zeros_t = x.new_zeros(shape)
+    return torch.cat([x, zeros_t] if at_end else [zeros_t, x], dim=axis)
 
 
-def drop_left(x: Any, n: int, axis: int) -> Any:
+def pad_left(x: Any, n: int, axis: int) -> Any:
+    return pad(x, n, axis)
+
+
+def drop(x: Any, n: int, axis: int, at_end: bool = False) -> Any:
+    """The first `n` columns along `axis` removed (the last `n` with `at_end`)."""
     if n == 0:
         return x
     index = [slice(None)] * x.ndim
-    index[axis] = slice(n, None)
+    index[axis] = slice(None, x.shape[axis] - n) if at_end else slice(n, None)
     out = x[tuple(index)]
     # numpy views keep the whole buffer alive and are not contiguous; ORT wants contiguous inputs anyway.
     return np.ascontiguousarray(out) if _is_numpy(out) else out.contiguous()
+
+
+def drop_left(x: Any, n: int, axis: int) -> Any:
+    return drop(x, n, axis)
 
 
 def map_past(past: Past, fn: Any) -> Past:
     return [(fn(k), fn(v)) for k, v in past]
 
 
-def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray) -> tuple[Past, np.ndarray]:
-    """Rows of b appended below rows of a, the shorter history left-padded to the longer."""
+def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
+          layout: Layout = LEFT) -> tuple[Past, np.ndarray]:
+    """Rows of b appended below rows of a, the shorter history padded to the longer (the mask on the left, the
+    cache as its layout says)."""
     la, lb = mask_a.shape[1], mask_b.shape[1]
     length = max(la, lb)
-    past_a = map_past(past_a, lambda t: pad_left(t, length - la, 2))
-    past_b = map_past(past_b, lambda t: pad_left(t, length - lb, 2))
+    at_end = layout == RIGHT
+    past_a = map_past(past_a, lambda t: pad(t, length - la, 2, at_end))
+    past_b = map_past(past_b, lambda t: pad(t, length - lb, 2, at_end))
     mask = np.concatenate([pad_left(mask_a, length - la, 1), pad_left(mask_b, length - lb, 1)], axis=0)
     past = [(cat_rows([ka, kb]), cat_rows([va, vb])) for (ka, va), (kb, vb) in zip(past_a, past_b, strict=True)]
     return past, mask
 
 
-def select(past: Past, mask: np.ndarray, rows: list[int]) -> tuple[Past, np.ndarray]:
+def select(past: Past, mask: np.ndarray, rows: list[int], layout: Layout = LEFT) -> tuple[Past, np.ndarray]:
     """Keep only `rows`, then trim the columns that became padding for every remaining row."""
     if rows != list(range(mask.shape[0])):
         past = map_past(past, lambda t: take_rows(t, rows))
         mask = mask[rows]
-    return trim(past, mask)
+    return trim(past, mask, layout)
 
 
-def trim(past: Past, mask: np.ndarray) -> tuple[Past, np.ndarray]:
+def trim(past: Past, mask: np.ndarray, layout: Layout = LEFT) -> tuple[Past, np.ndarray]:
     used = mask.any(axis=0)
     first = int(np.argmax(used)) if used.any() else mask.shape[1]
     if first == 0:
         return past, mask
-    return map_past(past, lambda t: drop_left(t, first, 2)), np.ascontiguousarray(mask[:, first:])
+    at_end = layout == RIGHT
+    return map_past(past, lambda t: drop(t, first, 2, at_end)), np.ascontiguousarray(mask[:, first:])

@@ -24,6 +24,7 @@ from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
 from service.base.config import Settings
+from service.engine import kvcache
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend
 from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
@@ -108,7 +109,8 @@ class HFTorchBackend(TorchTextBackend):
 class GenaiTextBackend(TextBackend):
     """An onnxruntime-genai folder's model.onnx, run as the server's decoder: the cache is passed exactly as long as
     the past (no shared buffer), so the graph returns present = past ++ new, as the single-file export does. Names
-    and shapes come from genai_config.json, whatever the architecture."""
+    and shapes come from genai_config.json, whatever the architecture. A GroupQueryAttention graph keeps its cache
+    right-padded (service.engine.kvcache's layouts)."""
 
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"
@@ -128,6 +130,7 @@ class GenaiTextBackend(TextBackend):
         # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding);
         # the server's batches are left-padded: such graphs get their rows realigned around each call
         self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+        self.cache_layout = kvcache.RIGHT if self.right_padded else kvcache.LEFT
         del proto
         try:
             self.session = ort.InferenceSession(str(model_file), sess_options=options, providers=providers)
@@ -161,16 +164,15 @@ class GenaiTextBackend(TextBackend):
                  past: Past) -> tuple[np.ndarray, Past]:
         if not self.right_padded:
             return self._run(input_ids, attention_mask, position_ids, past)
-        # Left padding (zeros, then the row's real tokens) -> each row's real tokens first, and back after the
-        # call; what the graph reads of the mask is each row's count of real tokens.
+        # The cache stays right-padded between calls (cache_layout: the scheduler pads and trims it so); only the
+        # new tokens of a prefill's shorter prompts (zeros, then the row's tokens) are moved to the row's start,
+        # and their logits back. What the graph reads of the mask is each row's count of real tokens.
         pads = attention_mask.shape[1] - attention_mask.sum(axis=1)
         past_len = past[0][0].shape[2] if past else 0
-        new_pads = np.maximum(pads - past_len, 0)  # padding inside the new tokens (a prefill's shorter prompts)
-        old_pads = pads - new_pads  # padding inside the cache
+        new_pads = np.maximum(pads - past_len, 0)
         ids, positions = _roll_rows(input_ids, -new_pads, 1), _roll_rows(position_ids, -new_pads, 1)
-        aligned = [(_roll_rows(k, -old_pads, 2), _roll_rows(v, -old_pads, 2)) for k, v in past]
-        logits, presents = self._run(ids, attention_mask, positions, aligned)
-        return _roll_rows(logits, new_pads, 1), [(_roll_rows(k, pads, 2), _roll_rows(v, pads, 2)) for k, v in presents]
+        logits, presents = self._run(ids, attention_mask, positions, past)
+        return _roll_rows(logits, new_pads, 1), presents
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: Past) -> tuple[np.ndarray, Past]:

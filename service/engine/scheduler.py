@@ -172,6 +172,7 @@ class TextScheduler:
         self._rows: list[_Row] = []
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
+        self._layout = getattr(backend, "cache_layout", kvcache.LEFT)  # how the backend's cache rows are padded
         self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0}  # prefill_prompts: model rows prefilled
         self.health = Health()
         self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
@@ -339,7 +340,7 @@ class TextScheduler:
         if self._rows and len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             if self._rows:
-                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
             else:
                 self._past, self._mask = [], np.zeros((0, 0), np.int64)
         self._gauges()
@@ -424,7 +425,7 @@ class TextScheduler:
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             if self._rows:
-                self._past, self._mask = kvcache.select(self._past, self._mask, keep)
+                self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
             else:
                 self._past, self._mask = [], np.zeros((0, 0), np.int64)
         admitted = [s for s in admitted if not s.cancelled]
@@ -455,7 +456,7 @@ class TextScheduler:
         updates: list[_Update] = []
         kept: list[tuple[_Row, Past, np.ndarray]] = []
         for i, row in enumerate(self._rows):
-            past, mask = kvcache.select(self._past, self._mask, [i])
+            past, mask = kvcache.select(self._past, self._mask, [i], self._layout)
             mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
             try:
                 logits, presents = self.backend.run_text(np.array([[row.last]], np.int64), mask,
@@ -468,8 +469,8 @@ class TextScheduler:
         self._rows = [row for row, _, _ in kept]
         self._past, self._mask = [], np.zeros((0, 0), np.int64)
         for n, (_, presents, mask) in enumerate(kept):
-            self._past, self._mask = (presents, mask) if n == 0 else kvcache.merge(self._past, self._mask,
-                                                                                  presents, mask)
+            self._past, self._mask = (presents, mask) if n == 0 else kvcache.merge(
+                self._past, self._mask, presents, mask, self._layout)
         self.steps["decode"] += 1
         return updates
 
@@ -509,7 +510,7 @@ class TextScheduler:
                 for s, j in zip(seqs, index, strict=True)]
         updates = self._sample(rows, last)
         if self._rows:
-            self._past, self._mask = kvcache.merge(self._past, self._mask, presents, mask)
+            self._past, self._mask = kvcache.merge(self._past, self._mask, presents, mask, self._layout)
         else:
             self._past, self._mask = presents, mask
         self._rows.extend(rows)

@@ -57,6 +57,8 @@ class TextBackend(Backend):
     # True where `run_text(..., last_only=True)` computes only the last position's logits (B, 1, V); callers that
     # need one row take logits[:, -1] either way.
     keeps_last_logits: bool = False
+    # How rows of the cache are padded (service.engine.kvcache: "left-padded" or "right-padded").
+    cache_layout: str = "left-padded"
 
     @abstractmethod
     def run_text(
