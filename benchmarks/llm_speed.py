@@ -5,17 +5,22 @@ initialised Llama of the paper's WikiText-103 LM size (6 layers, 512 wide, 8 hea
 over fairseq's 267,744-word vocabulary: 156M parameters; SegLU from the paper's Table 8, last row; nothing
 shipped). Each model also as its twin without the SegLU (same weights, `output_multimax` removed).
 Paths:
-  torch   the PyTorch model with its KV cache (present = concat(past, new), as the server's PyTorch backend)
+  torch   the PyTorch model as the server's PyTorch backend runs it: its KV cache grown in place
+          (models.cache_growth), the prefill's logits for the last row only, the SegLU by the fused library's
+          CPU kernel (plugins.cpu_sigma)
   onnx    the single-file export (`export.onnx_export.export_text`) in onnxruntime, fused ops registered, the cache
           fed back as present = concat(past, new) (the export the server runs); made once per --work directory
-Both use one intra-op thread (on a shared 2-core machine a second spinning thread measures the neighbours).
+  genai   the onnxruntime-genai folder export (`export.genai_folder`) in onnxruntime-genai's own loop: one cache
+          buffer of the whole context shared by past and present; made once per --work directory
+Every path uses one intra-op thread (on a shared 2-core machine a second spinning thread measures the neighbours).
 Measured, per round and pair, --steps timed calls of each side interleaved call by call (A B, then B A, ...)
 after one untimed call each; per round the ratio B/A of the two sides' median times; reported: the median over
 rounds of the per-round ratios, and the median times:
   seglu_prefill       a prompt of --prefill tokens at batch 1 from an empty cache, with SegLU / without
   seglu_decode        one decode step at batch 1 after a 128-token prefill, with SegLU / without
   context_batch{1,8}  one decode step (SegLU model) at 512 tokens of context / at 16
-Every decode step starts from the same cache (the cache does not grow between timed calls).
+torch and onnx: every decode step starts from the same cache (it does not grow between timed calls); genai: the
+generator grows by one token per step and is prefilled afresh (untimed) every --steps + 1 calls.
 """
 
 from __future__ import annotations
@@ -53,14 +58,21 @@ def paper_model() -> Any:
     return model
 
 
+def demo_folder() -> Path:
+    from models.demo import DEMO_DIR, LLM_DEMO
+
+    return Path(DEMO_DIR) / LLM_DEMO
+
+
 def demo_model() -> Any:
     """The shipped folder, its context raised to 1024 for the 512-token measurement: the demo was trained on 256
     tokens (RoPE has no length limit, and the work of a step does not depend on what the weights know)."""
-    from models.demo import DEMO_DIR, LLM_DEMO
     from models.hf_folder import load_folder
 
-    model = load_folder(DEMO_DIR / LLM_DEMO)[0]
+    model = load_folder(demo_folder())[0]
     model.config = type(model.config).from_dict(model.config.to_dict() | {"block_size": 1024})
+    for block in model.block_list():  # the cache buffers may grow to the new context
+        block.attention.max_length = 1024
     return model
 
 
@@ -90,16 +102,20 @@ class _FirstColumn(torch.nn.Module):
 
 class TorchPath:
     def __init__(self, model: Any) -> None:
+        from plugins.cpu_sigma import use_cpu_sigma
+
         self.model = model
+        self.fused_sigma = use_cpu_sigma(model)  # as the server's PyTorch backend: the fused library's SegLU
 
     @torch.no_grad()
     def prefill(self, batch: int, length: int) -> Timer:
         ids = torch.from_numpy(_ids(self.model.config.vocab_size, batch, length, length))
 
         def run() -> float:
-            t0 = time.perf_counter()
-            self.model(ids)
-            return time.perf_counter() - t0
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                self.model(ids, logits_to_keep=1)  # the last row's logits: what generate and the server ask for
+                return time.perf_counter() - t0
 
         return run
 
@@ -110,7 +126,8 @@ class TorchPath:
         head = self.model._modules["output"]
         self.model._modules["output"] = _FirstColumn()  # the cache needs no logits (4.4 GB at paper size)
         try:
-            _, past = self.model(prompt)
+            # from an empty cache, as generate and the server do (its buffer then has room for the steps)
+            _, past = self.model(prompt, past_key_values=self.model.empty_past(batch))
         finally:
             self.model._modules["output"] = head
         new = torch.from_numpy(_ids(vocab, batch, 1, context + 1))
@@ -179,6 +196,66 @@ class OnnxPath:
         return run
 
 
+class GenaiPath:
+    """onnxruntime-genai's own loop on the folder export: one cache buffer of the whole context shared by past and
+    present (GroupQueryAttention writes the new keys in place), the SegLU one fused MultiMaxSigma node. A decode
+    timer's generator grows by one token per call, so it is prefilled afresh (untimed) every `refill` calls."""
+
+    def __init__(self, folder: Path, refill: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og, self.model, self.refill = og, og.Model(str(folder)), refill
+        config = json.loads((folder / "genai_config.json").read_text())["model"]
+        self.vocab, self.context = int(config["vocab_size"]), int(config["context_length"])
+
+    def _generator(self, batch: int) -> Any:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.context, do_sample=False, batch_size=batch)
+        return self.og.Generator(self.model, params)
+
+    def prefill(self, batch: int, length: int) -> Timer:
+        ids = _ids(self.vocab, batch, length, length).astype(np.int32)
+
+        def run() -> float:
+            generator = self._generator(batch)
+            t0 = time.perf_counter()
+            generator.append_tokens(ids)
+            return time.perf_counter() - t0
+
+        return run
+
+    def decode(self, batch: int, context: int) -> Timer:
+        ids = _ids(self.vocab, batch, context, context).astype(np.int32)
+        state: dict[str, Any] = {"generator": None, "calls": 0}
+
+        def run() -> float:
+            if state["generator"] is None or state["calls"] >= self.refill:
+                state["generator"], state["calls"] = None, 0  # the old buffers go before the new ones come
+                state["generator"] = self._generator(batch)
+                state["generator"].append_tokens(ids)
+            state["calls"] += 1
+            t0 = time.perf_counter()
+            state["generator"].generate_next_token()
+            return time.perf_counter() - t0
+
+        return run
+
+
+def export_genai(model: Any, out: Path, tokenizer_source: Path | None) -> Path:
+    """The onnxruntime-genai folder export of `model` with one intra-op thread (made once: reused while it exists)."""
+    if (out / "genai_config.json").exists():
+        return out
+    from export.genai_folder import write_folder
+    from models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint("llama", model.config.to_dict(), model.state_dict())
+    write_folder(model, ckpt, out, tokenizer_source=tokenizer_source)
+    config = json.loads((out / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
+    (out / "genai_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def export_onnx(model: Any, out: Path) -> Path:
     """The single-file export of `model` (made once: reused while the file exists)."""
     if out.exists():
@@ -230,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.llm_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="demo,paper", help="comma-separated: demo, paper")
-    p.add_argument("--paths", default="torch,onnx", help="comma-separated: torch, onnx")
+    p.add_argument("--paths", default="torch,onnx,genai", help="comma-separated: torch, onnx, genai")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=9, help="timed calls per side and round")
     p.add_argument("--prefill", type=int, default=128, help="prompt tokens of the prefill measurement")
@@ -240,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     models, paths = args.models.split(","), args.paths.split(",")
     if args.rounds < 1 or args.steps < 1 or not 1 <= args.prefill <= 512:
         p.error("--rounds and --steps must be >= 1, --prefill 1..512")
-    if set(models) - {"demo", "paper"} or set(paths) - {"torch", "onnx"}:
-        p.error("--models takes demo and/or paper, --paths torch and/or onnx")
+    if set(models) - {"demo", "paper"} or set(paths) - {"torch", "onnx", "genai"}:
+        p.error("--models takes demo and/or paper, --paths torch, onnx and/or genai")
     torch.set_num_threads(1)
     results: dict[str, Any] = {"rounds": args.rounds, "steps": args.steps, "prefill_tokens": args.prefill,
                                "decode_context_for_seglu": DECODE_CONTEXT, "contexts": list(CONTEXTS),
@@ -254,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             if path == "torch":
                 with_, without = TorchPath(model), TorchPath(twin)
+            elif path == "genai":
+                args.work.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                source = demo_folder() if name == "demo" else None
+                with_ = GenaiPath(export_genai(model, args.work / f"{name}_seglu_genai", source), args.steps + 1)
+                without = GenaiPath(export_genai(twin, args.work / f"{name}_plain_genai", source), args.steps + 1)
+                print(f"{name}: genai folders ready in {time.perf_counter() - t0:.0f} s", flush=True)
             else:
                 args.work.mkdir(parents=True, exist_ok=True)
                 t0 = time.perf_counter()
