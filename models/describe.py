@@ -155,7 +155,8 @@ def format_folder_text(d: dict[str, Any]) -> str:
     for layer, values in mm["attention"].items():
         seglu.append(f"attention layer {layer} (ranges {_floats(values['ranges'])}, ts {_floats(values['ts'])})")
     tok = d["tokenizer"]
-    tok_text = (f"tokenizer.json, {tok['vocab_size']} tokens, bos {tok['bos']!r} ({tok['bos_id']}), eos "
+    bos = "none" if tok["bos"] is None else f"{tok['bos']!r} ({tok['bos_id']})"
+    tok_text = (f"tokenizer.json, {tok['vocab_size']} tokens, bos {bos}, eos "
                 f"{tok['eos']!r} {tok['eos_ids']}, pad {tok['pad']!r}, chat template "
                 f"{'yes' if tok['chat_template'] else 'no'}")
     rows = [

@@ -119,3 +119,31 @@ def test_train_llm_refuses_options_of_other_tasks(capsys: pytest.CaptureFixture[
     assert "do not apply" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert training_main(["train", "llm"]) == 2
     assert "needs -o" in capsys.readouterr().err
+
+
+# ---- the shipped demo LLM (models/demo/llama_seglu, `python -m models.training train demos --only llm`) ----------
+
+def test_shipped_demo_llm_is_what_its_report_says() -> None:
+    """Its held-out loss and greedy samples, measured now from the folder, are the ones recorded at training."""
+    from tokenizers import Tokenizer
+
+    from models.demo import DEMO_DIR, LLM_DEMO
+    from models.training.llm import ENDOFTEXT, HELDOUT_FRAC, encode_corpus, heldout_loss
+
+    folder = DEMO_DIR / LLM_DEMO
+    report = json.loads((DEMO_DIR / "report.json").read_text())[LLM_DEMO]
+    model, info = load_folder(folder)
+    assert info.config.multimax_output and model.output_multimax is not None
+    assert sum(p.numel() for p in model.parameters()) == report["parameters"]
+    assert model.output_multimax.ranges.tolist() == pytest.approx(report["seglu"]["ranges"], abs=1e-6)
+    assert (folder / "model.safetensors").stat().st_size < 8_000_000  # a few MB, as the issue asks
+    docs = stdlib_docstring_list()
+    held = docs[-max(1, int(len(docs) * HELDOUT_FRAC)):]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    loss = heldout_loss(model, encode_corpus(tok, held), report["seq_len"])
+    assert loss == pytest.approx(report["heldout_loss"], rel=1e-4)
+    assert report["heldout_bits_per_byte"] < 2.2  # the byte-level demo GPT: 2.16 (README)
+    eos = tok.token_to_id(ENDOFTEXT)
+    for prompt, text in report["samples_greedy"].items():
+        new = generate(model, tok.encode(prompt).ids, 48, temperature=0.0, eos_id=eos)[0]
+        assert tok.decode(new) == text, prompt

@@ -117,7 +117,7 @@ def test_text_training_is_reproducible_by_seed_and_learns() -> None:
 
 
 def test_the_shipped_models_record_what_trained_them() -> None:
-    assert set(SHIPPED_REPORT["fingerprint"]) == {"vision", "text"}
+    assert set(SHIPPED_REPORT["fingerprint"]) == {"vision", "text", "llm"}
     assert all(len(v) == 16 for v in SHIPPED_REPORT["fingerprint"].values())
 
 
@@ -141,3 +141,15 @@ def test_text_training_reaches_bits_per_byte_target() -> None:
         pytest.skip(reason)
     result = train_text(progress=False)
     assert result["metrics"]["heldout_bpb"] < 2.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # about 7 minutes on 2 quiet cores
+def test_llm_retraining_reaches_its_loss() -> None:
+    needed, reason = retrain_needed("llm")
+    if not needed:
+        pytest.skip(reason)
+    from models.training.llm import train_llm
+
+    metrics = train_llm(progress=False)["metrics"]
+    assert metrics["heldout_bits_per_byte"] < 2.2, metrics
