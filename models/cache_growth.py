@@ -43,7 +43,8 @@ def capacity(past: Tensor) -> int:
 
 def extend(past: Tensor, new: Tensor, max_length: int) -> Tensor:
     """concat(past, new) along the time axis (2), in place in `past`'s buffer when it has room."""
-    if torch.is_grad_enabled() or traced() or past.requires_grad or new.requires_grad:
+    if (torch.is_grad_enabled() or traced() or past.requires_grad or new.requires_grad
+            or (past.is_inference() and not torch.is_inference_mode_enabled())):  # PyTorch forbids that write
         return torch.cat([past, new], dim=2)
     B, H, L, D = past.shape
     total = L + new.shape[2]

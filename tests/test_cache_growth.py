@@ -96,3 +96,13 @@ def test_generate_equals_uncached_greedy() -> None:
         for _ in range(40):
             ids.append(int(m(torch.tensor([ids]))[0][0, -1].argmax()))
     assert got == ids[len(prompt):]
+
+
+def test_a_cache_made_in_inference_mode_extends_outside_it() -> None:
+    """PyTorch forbids writing into an inference tensor outside inference mode: that step concatenates."""
+    with torch.inference_mode():
+        past = extend(torch.zeros(1, 1, 0, 4), torch.ones(1, 1, 3, 4), max_length=100)
+    assert capacity(past) > 3
+    with torch.no_grad():
+        out = extend(past, torch.full((1, 1, 1, 4), 2.0), max_length=100)
+    assert out.shape[2] == 4 and float(out[0, 0, 3, 0]) == 2.0
