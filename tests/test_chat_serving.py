@@ -542,7 +542,8 @@ def test_genai_folder_is_served_and_batches_prompts_of_different_lengths(
 def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_path: Path) -> None:
     """The server's decode loop on a GroupQueryAttention folder, driven step by step: rows of different lengths
     prefilled together, the longest leaving (its columns trimmed from the end), a newcomer merged; each row's greedy
-    tokens equal the model's alone, and the cache is never realigned (right-padded from prefill to the end)."""
+    tokens equal the model's alone; the cache is never realigned (right-padded from prefill to the end) and decode
+    steps write into its buffer in place."""
     from export.genai_folder import write_folder
     from models.checkpoint import load
     from models.cli import main as models_main
@@ -568,6 +569,7 @@ def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_pat
         return [int(t) for t in logits[:, -1].argmax(-1)], past, mask
 
     got: dict[int, list[int]] = {}
+    in_place = 0
     last, past, mask = prefill(prompts)
     rows = [0, 1, 2]
     for i, t in zip(rows, last, strict=True):
@@ -584,13 +586,18 @@ def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_pat
         ids = np.array([[t] for t in last], np.int64)
         positions = mask.sum(axis=1, keepdims=True)
         mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        before = past[0][0].ctypes.data if past[0][0].shape[2] >= mask.shape[1] else None
         logits, past = backend.run_text(ids, mask, positions, past)
-        assert past[0][0].shape[2] == mask.shape[1]
+        assert past[0][0].shape[2] >= mask.shape[1]
+        if before is not None:  # a buffer with room: written in place, not copied
+            assert past[0][0].ctypes.data == before
+            in_place += 1
         last = [int(t) for t in logits[:, -1].argmax(-1)]
         for r, t in zip(rows, last, strict=True):
             got[r].append(t)
     assert got[0] == want[0] and got[2] == want[2]
     assert got[1] == want[1][:4] and got[3] == want[3][:len(got[3])]
+    assert in_place >= 6  # most steps wrote into the buffer they were given
     # right-padded: the shortest row's cache has zeros (never written) after its own positions
     k = past[0][0]
     assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()

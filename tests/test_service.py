@@ -636,10 +636,15 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
     k = np.asarray(past[0][0])
     assert k.shape == (3, 1, 5, 2) and mask.tolist()[2] == [0, 0, 1, 1, 1]
     assert np.array_equal(k[2, :, :3], b[0]) and not k[2, :, 3:].any()
-    past, mask = kvcache.select(past, mask, [1, 2], kvcache.RIGHT)  # the 5-long row leaves: 2 columns go
-    assert mask.shape == (2, 3) and np.asarray(past[0][1]).shape == (2, 1, 3, 2)
-    assert np.array_equal(np.asarray(past[0][0])[0], a[1, :, :3])  # the row's own positions, from the start
-    assert np.array_equal(np.asarray(past[0][0])[1], b[0])
+    past, mask = kvcache.select(past, mask, [1, 2], kvcache.RIGHT)  # the 5-long row leaves: 2 mask columns go
+    assert mask.shape == (2, 3) and np.asarray(past[0][1]).shape == (2, 1, 5, 2)  # the buffer keeps them as room
+    assert np.array_equal(np.asarray(past[0][0])[0, :, :3], a[1, :, :3])  # the row's own positions, from the start
+    assert np.array_equal(np.asarray(past[0][0])[1, :, :3], b[0])
+    # a buffer with room merges with a shorter one: the shorter is padded at its end
+    longer = np.zeros((1, 1, 9, 2), np.float32)
+    merged, mask2 = kvcache.merge(past, mask, [(arr(longer), arr(longer))], np.ones((1, 4), np.int64),
+                                  kvcache.RIGHT)
+    assert np.asarray(merged[0][0]).shape == (3, 1, 9, 2) and mask2.shape == (3, 4)
 
 
 def test_text_stream_holds_back_possible_stop_prefixes_and_partial_utf8() -> None:

@@ -7,7 +7,9 @@ The cache itself is laid out as the backend's graph reads it (`TextBackend.cache
 - "left-padded" (the default): as the mask, each row's real positions at the end;
 - "right-padded": each row's real positions first, padding after (onnxruntime's GroupQueryAttention reads a
   row's cache from the start of its buffer, and how many positions are real from the mask's row sums), so the
-  backend never realigns the cache around a call.
+  backend never realigns the cache around a call. Such a cache may be longer than the mask: the room at its end
+  is where the backend writes the next steps' keys in place; merging pads to the longer buffer, trimming leaves
+  the buffer as it is.
 """
 
 from __future__ import annotations
@@ -65,19 +67,14 @@ def pad_left(x: Any, n: int, axis: int) -> Any:
     return pad(x, n, axis)
 
 
-def drop(x: Any, n: int, axis: int, at_end: bool = False) -> Any:
-    """The first `n` columns along `axis` removed (the last `n` with `at_end`)."""
+def drop_left(x: Any, n: int, axis: int) -> Any:
     if n == 0:
         return x
     index = [slice(None)] * x.ndim
-    index[axis] = slice(None, x.shape[axis] - n) if at_end else slice(n, None)
+    index[axis] = slice(n, None)
     out = x[tuple(index)]
     # numpy views keep the whole buffer alive and are not contiguous; ORT wants contiguous inputs anyway.
     return np.ascontiguousarray(out) if _is_numpy(out) else out.contiguous()
-
-
-def drop_left(x: Any, n: int, axis: int) -> Any:
-    return drop(x, n, axis)
 
 
 def map_past(past: Past, fn: Any) -> Past:
@@ -90,9 +87,13 @@ def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
     cache as its layout says)."""
     la, lb = mask_a.shape[1], mask_b.shape[1]
     length = max(la, lb)
-    at_end = layout == RIGHT
-    past_a = map_past(past_a, lambda t: pad(t, length - la, 2, at_end))
-    past_b = map_past(past_b, lambda t: pad(t, length - lb, 2, at_end))
+    if layout == RIGHT:  # each row's positions from the start: pad the shorter buffer at its end
+        room = max(past_a[0][0].shape[2], past_b[0][0].shape[2]) if past_a and past_b else 0
+        past_a = map_past(past_a, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
+        past_b = map_past(past_b, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
+    else:
+        past_a = map_past(past_a, lambda t: pad(t, length - la, 2))
+        past_b = map_past(past_b, lambda t: pad(t, length - lb, 2))
     mask = np.concatenate([pad_left(mask_a, length - la, 1), pad_left(mask_b, length - lb, 1)], axis=0)
     past = [(cat_rows([ka, kb]), cat_rows([va, vb])) for (ka, va), (kb, vb) in zip(past_a, past_b, strict=True)]
     return past, mask
@@ -111,5 +112,6 @@ def trim(past: Past, mask: np.ndarray, layout: Layout = LEFT) -> tuple[Past, np.
     first = int(np.argmax(used)) if used.any() else mask.shape[1]
     if first == 0:
         return past, mask
-    at_end = layout == RIGHT
-    return map_past(past, lambda t: drop(t, first, 2, at_end)), np.ascontiguousarray(mask[:, first:])
+    if layout == RIGHT:  # the rows' positions stay at the start; the freed columns become room
+        return past, np.ascontiguousarray(mask[:, first:])
+    return map_past(past, lambda t: drop_left(t, first, 2)), np.ascontiguousarray(mask[:, first:])

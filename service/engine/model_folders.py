@@ -107,16 +107,18 @@ class HFTorchBackend(TorchTextBackend):
 
 
 class GenaiTextBackend(TextBackend):
-    """An onnxruntime-genai folder's model.onnx, run as the server's decoder: the cache is passed exactly as long as
-    the past (no shared buffer), so the graph returns present = past ++ new, as the single-file export does. Names
-    and shapes come from genai_config.json, whatever the architecture. A GroupQueryAttention graph keeps its cache
-    right-padded (service.engine.kvcache's layouts)."""
+    """An onnxruntime-genai folder's model.onnx, run as the server's decoder. Names and shapes come from
+    genai_config.json, whatever the architecture. A GroupQueryAttention graph keeps its cache right-padded
+    (service.engine.kvcache's layouts) in buffers with room, and its decode steps write into them in place
+    (IOBinding, past and present one buffer); other graphs (MultiMaxAttention, which reads left padding) get the
+    cache exactly as long as the past and return present = past ++ new, as the single-file export does."""
 
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, path: Path, decoder: dict[str, Any], settings: Settings) -> None:
+    def __init__(self, path: Path, decoder: dict[str, Any], settings: Settings, context: int = 0) -> None:
         self.path = path
+        self.context = context  # the most positions a cache buffer needs (0: unknown)
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -164,15 +166,41 @@ class GenaiTextBackend(TextBackend):
                  past: Past) -> tuple[np.ndarray, Past]:
         if not self.right_padded:
             return self._run(input_ids, attention_mask, position_ids, past)
-        # The cache stays right-padded between calls (cache_layout: the scheduler pads and trims it so); only the
-        # new tokens of a prefill's shorter prompts (zeros, then the row's tokens) are moved to the row's start,
-        # and their logits back. What the graph reads of the mask is each row's count of real tokens.
+        if input_ids.shape[1] == 1 and past and past[0][0].shape[2] > 0:
+            return self._step_in_place(input_ids, attention_mask, position_ids, past)
+        # The cache stays right-padded between calls (cache_layout: the scheduler pads it so); only the new tokens
+        # of a prefill's shorter prompts (zeros, then the row's tokens) are moved to the row's start, and their
+        # logits back. What the graph reads of the mask is each row's count of real tokens.
         pads = attention_mask.shape[1] - attention_mask.sum(axis=1)
-        past_len = past[0][0].shape[2] if past else 0
-        new_pads = np.maximum(pads - past_len, 0)
+        new_pads = np.maximum(pads - (past[0][0].shape[2] if past else 0), 0)
         ids, positions = _roll_rows(input_ids, -new_pads, 1), _roll_rows(position_ids, -new_pads, 1)
         logits, presents = self._run(ids, attention_mask, positions, past)
         return _roll_rows(logits, new_pads, 1), presents
+
+    def _step_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                       past: Past) -> tuple[np.ndarray, Past]:
+        """A decode step with each layer's past and present bound to one buffer (IOBinding), as
+        onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's
+        position and copies nothing. A buffer without room for this step grows to twice what it must hold (at
+        most the context), so that copy happens once per doubling, not per step."""
+        total = attention_mask.shape[1]
+        if past[0][0].shape[2] < total:
+            room = max(total, min(max(2 * total, 64), self.context or 2 * total))
+            past = kvcache.map_past(past, lambda t: kvcache.pad(t, room - t.shape[2], 2, at_end=True))
+        past = kvcache.map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
+        binding = self.session.io_binding()
+        binding.bind_output(self.logits_name, "cpu")  # first: get_outputs() lists outputs in binding order
+        binding.bind_cpu_input(self.feeds["input_ids"], np.ascontiguousarray(input_ids))
+        binding.bind_cpu_input(self.feeds["attention_mask"], np.ascontiguousarray(attention_mask))
+        if self.position_name:
+            binding.bind_cpu_input(self.position_name, np.ascontiguousarray(position_ids))
+        for i, ((key_name, value_name), (key, value)) in enumerate(zip(self.past_names, past, strict=True)):
+            for name, out_name, buffer in ((key_name, self.present_names[2 * i], key),
+                                           (value_name, self.present_names[2 * i + 1], value)):
+                binding.bind_cpu_input(name, buffer)
+                binding.bind_output(out_name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy(), past
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: Past) -> tuple[np.ndarray, Past]:
@@ -228,7 +256,7 @@ def load_genai_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
         hf_tok = HFTokenizer.from_folder(path, _genai_eos(model))
     except CheckpointError as exc:
         raise BackendUnavailable(f"{path.name}: {exc}") from None
-    backend = GenaiTextBackend(path, decoder, settings)
+    backend = GenaiTextBackend(path, decoder, settings, context)
     meta_config = dict(backend.metadata.config or {})
     config = {**meta_config, "block_size": context, "vocab_size": vocab}
     outputs = {o.name: o.shape for o in backend.session.get_outputs()}
