@@ -225,7 +225,8 @@ def test_official_clients_through_the_proxy(ray_server: RayServer) -> None:
 
     url = ray_server.url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    assert {m.id for m in client.models.list()} == {"digits_multimax", "digits_softmax", "text_multimax"}
+    assert {m.id for m in client.models.list()} == {"digits_multimax", "digits_softmax", "text_multimax",
+                                                    "llama_seglu"}
     done = client.completions.create(model="text_multimax", prompt="Return the", max_tokens=20, temperature=0.7,
                                      seed=5)
     assert done.choices[0].finish_reason == "length" and done.usage is not None

@@ -260,10 +260,14 @@ def test_models_endpoint_lists_every_model_in_openai_format(service_client: Test
     body = r.json()
     assert body["object"] == "list"
     cards = {m["id"]: m for m in body["data"]}
-    assert set(cards) == {"digits_multimax", "digits_softmax", "text_multimax"}
+    assert set(cards) == {"digits_multimax", "digits_softmax", "text_multimax", "llama_seglu"}
     assert cards["digits_multimax"]["task"] == "image-classification"
     assert cards["text_multimax"]["task"] == "text-generation"
     assert cards["text_multimax"]["context_length"] == 128
+    # the demo LLM's folder runs on PyTorch, with the fused SegLU where the library builds
+    llm = cards.pop("llama_seglu")
+    assert llm["task"] == "text-generation" and llm["backend"] == "torch" and llm["context_length"] == 256
+    assert (llm.get("fused_seglu") == "cpu") is ort_ops.library().available
     for card in cards.values():
         assert card["object"] == "model" and card["backend"] == "onnxruntime"
         assert card["provider"].endswith("ExecutionProvider")

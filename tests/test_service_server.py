@@ -54,7 +54,7 @@ def test_openai_client_works_unchanged(service_server: str) -> None:
 
     client = openai.OpenAI(base_url=f"{service_server}/v1", api_key="unused", max_retries=0)
     ids = {m.id for m in client.models.list()}
-    assert ids == {"digits_multimax", "digits_softmax", "text_multimax"}
+    assert ids == {"digits_multimax", "digits_softmax", "text_multimax", "llama_seglu"}
     done = client.completions.create(model="text_multimax", prompt="Return the", max_tokens=20, temperature=0.7,
                                      seed=5)
     assert done.choices[0].finish_reason == "length"

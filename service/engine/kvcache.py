@@ -7,9 +7,10 @@ The cache itself is laid out as the backend's graph reads it (`TextBackend.cache
 - "left-padded" (the default): as the mask, each row's real positions at the end;
 - "right-padded": each row's real positions first, padding after (onnxruntime's GroupQueryAttention reads a
   row's cache from the start of its buffer, and how many positions are real from the mask's row sums), so the
-  backend never realigns the cache around a call. Such a cache may be longer than the mask: the room at its end
-  is where the backend writes the next steps' keys in place; merging pads to the longer buffer, trimming leaves
-  the buffer as it is.
+  backend never realigns the cache around a call.
+Either cache may be longer than the mask: a backend that writes each step's keys in place keeps room at the end
+of its buffers (past and present one buffer); merging pads the shorter buffer at its end, and trimming a
+right-padded cache leaves the buffer as it is (the freed columns become room).
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
     cache as its layout says)."""
     la, lb = mask_a.shape[1], mask_b.shape[1]
     length = max(la, lb)
-    if layout == RIGHT:  # each row's positions from the start: pad the shorter buffer at its end
-        room = max(past_a[0][0].shape[2], past_b[0][0].shape[2]) if past_a and past_b else 0
-        past_a = map_past(past_a, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
-        past_b = map_past(past_b, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
-    else:
+    if layout != RIGHT:  # the shorter history padded on the left, as its mask
         past_a = map_past(past_a, lambda t: pad(t, length - la, 2))
         past_b = map_past(past_b, lambda t: pad(t, length - lb, 2))
+    # buffers with room at their end (a backend writing steps in place): the shorter padded at its end
+    room = max(past_a[0][0].shape[2], past_b[0][0].shape[2]) if past_a and past_b else 0
+    past_a = map_past(past_a, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
+    past_b = map_past(past_b, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
     mask = np.concatenate([pad_left(mask_a, length - la, 1), pad_left(mask_b, length - lb, 1)], axis=0)
     past = [(cat_rows([ka, kb]), cat_rows([va, vb])) for (ka, va), (kb, vb) in zip(past_a, past_b, strict=True)]
     return past, mask

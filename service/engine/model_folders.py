@@ -108,10 +108,10 @@ class HFTorchBackend(TorchTextBackend):
 
 class GenaiTextBackend(TextBackend):
     """An onnxruntime-genai folder's model.onnx, run as the server's decoder. Names and shapes come from
-    genai_config.json, whatever the architecture. A GroupQueryAttention graph keeps its cache right-padded
-    (service.engine.kvcache's layouts) in buffers with room, and its decode steps write into them in place
-    (IOBinding, past and present one buffer); other graphs (MultiMaxAttention, which reads left padding) get the
-    cache exactly as long as the past and return present = past ++ new, as the single-file export does."""
+    genai_config.json, whatever the architecture. The cache lives in buffers with room at their end, and decode
+    steps write into them in place (IOBinding, past and present one buffer, as onnxruntime-genai runs the
+    folder); a GroupQueryAttention graph keeps its rows right-padded, a MultiMaxAttention graph left-padded
+    (service.engine.kvcache's layouts). A prefill is a plain call (present = its new keys)."""
 
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"
@@ -164,10 +164,10 @@ class GenaiTextBackend(TextBackend):
 
     def run_text(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                  past: Past) -> tuple[np.ndarray, Past]:
-        if not self.right_padded:
-            return self._run(input_ids, attention_mask, position_ids, past)
         if input_ids.shape[1] == 1 and past and past[0][0].shape[2] > 0:
             return self._step_in_place(input_ids, attention_mask, position_ids, past)
+        if not self.right_padded:
+            return self._run(input_ids, attention_mask, position_ids, past)
         # The cache stays right-padded between calls (cache_layout: the scheduler pads it so); only the new tokens
         # of a prefill's shorter prompts (zeros, then the row's tokens) are moved to the row's start, and their
         # logits back. What the graph reads of the mask is each row's count of real tokens.
@@ -180,9 +180,10 @@ class GenaiTextBackend(TextBackend):
     def _step_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                        past: Past) -> tuple[np.ndarray, Past]:
         """A decode step with each layer's past and present bound to one buffer (IOBinding), as
-        onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's
-        position and copies nothing. A buffer without room for this step grows to twice what it must hold (at
-        most the context), so that copy happens once per doubling, not per step."""
+        onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's own
+        position (right-padded rows), MultiMaxAttention at the common one (left-padded rows; its fused kernel in
+        place, its function body by copies), and nothing else is copied. A buffer without room for this step
+        grows to twice what it must hold (at most the context), so that copy happens once per doubling."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
             room = max(total, min(max(2 * total, 64), self.context or 2 * total))

@@ -61,6 +61,8 @@ class ModelCard(BaseModel):
     labels: list[str] | None = None
     # ONNX Runtime backend: whether the fused MultiMax CPU ops (plugins.ort_ops) run this model, or why not.
     fused_multimax: dict[str, Any] | None = None
+    # PyTorch backend on a CPU: "cpu" where the LM head's SegLU runs the fused library's kernel (plugins.cpu_sigma).
+    fused_seglu: str | None = None
     version: str = "1"  # the version that serves requests naming this model (its latest loaded)
     versions: list[str] = Field(default_factory=lambda: ["1"])  # every loaded version (KServe V2 routes reach each)
     # The attention reweighting the model uses (models.reweighting: multimax, softmax, sparsemax, ...), from its
@@ -181,9 +183,11 @@ class Completion(BaseModel):
 
 def model_card(rt: ModelRuntime, versions: list[int]) -> ModelCard:
     entry = rt.entry
+    described = entry.backend.describe()
     return ModelCard(id=entry.name, created=entry.created, task=entry.task, backend=entry.backend.kind,
                      provider=entry.backend.provider, context_length=entry.context_length, labels=entry.labels,
-                     fused_multimax=entry.backend.describe().get("fused_multimax"), version=str(entry.version),
+                     fused_multimax=described.get("fused_multimax"), fused_seglu=described.get("fused_seglu"),
+                     version=str(entry.version),
                      versions=[str(v) for v in versions],
                      attention_function=attention_function(entry.config),
                      attention_options=entry.config.get("attention_options"),
