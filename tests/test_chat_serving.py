@@ -539,23 +539,28 @@ def test_genai_folder_is_served_and_batches_prompts_of_different_lengths(
         assert [results[i] for i in range(len(prompts))] == want
 
 
-def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_path: Path) -> None:
-    """The server's decode loop on a GroupQueryAttention folder, driven step by step: rows of different lengths
-    prefilled together, the longest leaving (its columns trimmed from the end), a newcomer merged; each row's greedy
-    tokens equal the model's alone; the cache is never realigned (right-padded from prefill to the end) and decode
-    steps write into its buffer in place."""
+@pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax-attention"])
+def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path, multimax: str) -> None:
+    """The server's decode loop on a genai folder, driven step by step: rows of different lengths prefilled
+    together, the longest leaving, a newcomer merged; each row's greedy tokens equal the model's alone, and decode
+    steps write into the buffer they were given. GroupQueryAttention's cache is right-padded throughout (never
+    realigned), MultiMaxAttention's left-padded (its fused kernel writes in place)."""
     from export.genai_folder import write_folder
     from models.checkpoint import load
     from models.cli import main as models_main
     from service.engine import kvcache
     from service.engine.model_folders import GenaiTextBackend
 
-    assert models_main(["init", "gpt-nano", "--multimax", "none", "-o", str(tmp_path / "m.pt")]) == 0
+    from plugins import ort_ops
+
+    assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
     model, ckpt, _ = load(tmp_path / "m.pt")
-    folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=False)
+    folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=multimax != "none")
     decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     backend = GenaiTextBackend(folder, decoder, Settings(intra_op_threads=1))
-    assert backend.right_padded and backend.cache_layout == kvcache.RIGHT
+    layout = kvcache.RIGHT if multimax == "none" else kvcache.LEFT
+    assert backend.right_padded is (multimax == "none") and backend.cache_layout == layout
+    runs_before = ort_ops.run_counts()
     prompts = [[5, 9, 77, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 7]]
     newcomer = [60, 61, 62, 63, 64, 65]
     want = {i: generate(model, p, 10, temperature=0.0)[0] for i, p in enumerate([*prompts, newcomer])}
@@ -577,10 +582,10 @@ def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_pat
     for step in range(9):
         if step == 3:  # the longest prompt's row leaves; a newcomer joins
             keep = [0, 2]
-            past, mask = kvcache.select(past, mask, [rows.index(r) for r in keep], kvcache.RIGHT)
+            past, mask = kvcache.select(past, mask, [rows.index(r) for r in keep], layout)
             rows, last = keep, [last[rows.index(r)] for r in keep]
             first, new_past, new_mask = prefill([newcomer])
-            past, mask = kvcache.merge(past, mask, new_past, new_mask, kvcache.RIGHT)
+            past, mask = kvcache.merge(past, mask, new_past, new_mask, layout)
             rows, last = [*rows, 3], [*last, first[0]]
             got[3] = [first[0]]
         ids = np.array([[t] for t in last], np.int64)
@@ -598,6 +603,9 @@ def test_gqa_backend_keeps_a_right_padded_cache_through_joins_and_leaves(tmp_pat
     assert got[0] == want[0] and got[2] == want[2]
     assert got[1] == want[1][:4] and got[3] == want[3][:len(got[3])]
     assert in_place >= 6  # most steps wrote into the buffer they were given
-    # right-padded: the shortest row's cache has zeros (never written) after its own positions
-    k = past[0][0]
-    assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()
+    if layout == kvcache.RIGHT:  # the shortest row's cache has zeros (never written) after its own positions
+        k = past[0][0]
+        assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()
+    elif ort_ops.library().available:  # the fused MultiMaxAttention wrote its present into the past's buffer
+        runs, in_place_runs = (a - b for a, b in zip(ort_ops.run_counts(), runs_before, strict=True))
+        assert runs > 0 and in_place_runs >= runs // 2, (runs, in_place_runs)
