@@ -88,7 +88,12 @@ class IncrementalDetokenizer:
     @property
     def covered(self) -> int:
         """Generated tokens whose text has been sent in full."""
-        return max((n for n, chars, _ in self._marks if chars <= self.sent), default=0)
+        # marks grow in both tokens and characters (a stop rewind pops from the end), so the last one whose text
+        # was sent is the answer: found from the end, in one step in the common case (a stream's every event)
+        for n, chars, _ in reversed(self._marks):
+            if chars <= self.sent:
+                return n
+        return 0
 
 
 def stop_tail(tokens: Sequence[int], keep: int, stops: Sequence[bytes], tokenizer: Any) -> bytes:
