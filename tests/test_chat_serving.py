@@ -548,10 +548,9 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     from export.genai_folder import write_folder
     from models.checkpoint import load
     from models.cli import main as models_main
+    from plugins import ort_ops
     from service.engine import kvcache
     from service.engine.model_folders import GenaiTextBackend
-
-    from plugins import ort_ops
 
     assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
     model, ckpt, _ = load(tmp_path / "m.pt")
