@@ -728,6 +728,43 @@ def test_sequences_joining_a_running_batch_generate_what_they_would_alone(
     assert seqs[1].started < seqs[0].finished
 
 
+def test_an_idle_model_prefills_a_burst_of_arrivals_together(service_text_model: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients starting together reach the scheduler a little apart (each handler parses its request first): an
+    idle model waits for the burst and prefills it once; a lone request does not wait. (The gap is widened here so
+    that a loaded machine's timer lag cannot split the burst.)"""
+    from service.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "BURST_GAP_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "BURST_MAX_S", 5.0)
+    prompts = ["Return the", "If the file is", "A", "This module provides the", "x", "The"]
+
+    async def main() -> tuple[TextScheduler, list[GenSequence]]:
+        sched = _scheduler("onnxruntime")
+        sched.start()
+        lone = GenSequence(TOK.encode("A"), SamplingParams(max_tokens=2, temperature=0.0))
+        sched.submit([lone])
+        await _wait(lone)
+        assert sched.steps["burst_waits"] == 0 and sched.steps["prefill"] == 1
+        await asyncio.sleep(0.1)  # the model is idle again
+        seqs = [GenSequence(TOK.encode(p), SamplingParams(max_tokens=6, temperature=0.0)) for p in prompts]
+        sched.submit(seqs[:1])
+        await asyncio.sleep(0)
+        for seq in seqs[1:]:
+            sched.submit([seq])
+            await asyncio.sleep(0.001)  # the next client a millisecond later
+        for seq in seqs:
+            await _wait(seq)
+        await sched.close()
+        return sched, seqs
+
+    sched, seqs = asyncio.run(main())
+    assert sched.steps["burst_waits"] == 1
+    assert sched.steps["prefill"] == 2 and sched.steps["prefill_prompts"] == 7  # the lone one, then all six at once
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.tokens == generate(service_text_model, TOK.encode(prompt), 6, temperature=0.0)[0], prompt
+
+
 def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:
     async def main() -> None:
         sched = _scheduler("onnxruntime", max_running=1)
