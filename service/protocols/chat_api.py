@@ -256,10 +256,10 @@ async def _chat_stream(rt: TextRuntime, seqs: list[GenSequence], changed: asynci
         return _sse(body)
 
     try:
-        for i in range(len(seqs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
+        yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(seqs)))
         while True:
             _raise_errors(seqs)
+            events: list[bytes] = []  # this wake-up's events (one per step and choice), sent in one write
             for i, (s, reader) in enumerate(zip(seqs, readers, strict=True)):
                 if sent_finish[i]:
                     continue
@@ -271,17 +271,19 @@ async def _chat_stream(rt: TextRuntime, seqs: list[GenSequence], changed: asynci
                     if top is not None:
                         lps = {"content": logprobs_content(tok, s.tokens, s.logprobs, top, sent_tokens[i], covered)}
                         sent_tokens[i] = max(sent_tokens[i], covered)
-                    yield chunk(i, {"content": text}, lps=lps)
+                    events.append(chunk(i, {"content": text}, lps=lps))
                 if finished:
                     sent_finish[i] = True
-                    yield chunk(i, {}, s.finish_reason)
+                    events.append(chunk(i, {}, s.finish_reason))
             if all(sent_finish):
+                if opts.include_usage:
+                    events.append(_sse({**base, "choices": [], "usage": choices.usage([seqs])}))
+                yield b"".join([*events, b"data: [DONE]\n\n"])
                 break
+            if events:
+                yield b"".join(events)
             await changed.wait()
             changed.clear()
-        if opts.include_usage:
-            yield _sse({**base, "choices": [], "usage": choices.usage([seqs])})
-        yield b"data: [DONE]\n\n"
         outcome = "success"
     except ServiceError as exc:
         outcome = exc.outcome

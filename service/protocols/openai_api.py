@@ -564,6 +564,7 @@ async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asy
     try:
         while True:
             _raise_errors(seqs)
+            events: list[bytes] = []  # this wake-up's events (one per step and choice), sent in one write
             for i, (s, reader) in enumerate(zip(seqs, readers, strict=True)):
                 if sent_finish[i]:
                     continue
@@ -585,14 +586,16 @@ async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asy
                     sent_finish[i] = ends
                     if opts.continuous_usage_stats or (all(sent_finish) and not opts.include_usage):
                         chunk["usage"] = choices.usage(groups)  # usage counts even for clients that did not ask
-                    yield _sse(chunk)
+                    events.append(_sse(chunk))
             if all(sent_finish):
+                if opts.include_usage:
+                    events.append(_sse({**base, "choices": [], "usage": choices.usage(groups)}))
+                yield b"".join([*events, b"data: [DONE]\n\n"])
                 break
+            if events:
+                yield b"".join(events)
             await changed.wait()
             changed.clear()
-        if opts.include_usage:
-            yield _sse({**base, "choices": [], "usage": choices.usage(groups)})
-        yield b"data: [DONE]\n\n"
         outcome = "success"
     except ServiceError as exc:
         outcome = exc.outcome
