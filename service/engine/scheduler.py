@@ -242,7 +242,6 @@ class TextScheduler:
         with contextlib.suppress(ValueError):
             self._waiting.remove(seq)
         self._active.discard(seq)
-        self._submits += 1
         self._gauges()
         self._wake.set()
         self._interrupt = True  # the worker returns to the loop after its current step
