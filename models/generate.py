@@ -115,10 +115,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
+def keeps_last_logits(model: Any) -> bool:
+    """Whether the model's forward can compute the last positions' logits alone (models.llama's logits_to_keep, the
+    LM head and SegLU of one row instead of a whole prompt's)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def _last_row_only(model: TextModel) -> dict[str, Any]:
-    """The prefill's keyword for one row of logits where the model takes it (models.llama's logits_to_keep)."""
-    forward = cast(Any, model).forward
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
+    """The prefill's keyword for one row of logits where the model takes it."""
+    return {"logits_to_keep": 1} if keeps_last_logits(model) else {}
 
 
 def _empty_past(model: TextModel, batch_size: int) -> tuple[PastKeyValues, torch.device]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 import threading
@@ -16,6 +15,7 @@ from torch import nn
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
+from models.generate import keeps_last_logits
 from models.loading import CheckpointError, check_keys
 from models.registry import TextModel
 from models.spec import TEXT, VisionSpec
@@ -111,6 +111,10 @@ class TorchVisionBackend(_TorchBackend, VisionBackend):
 
 
 class TorchTextBackend(_TorchBackend, TextBackend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keeps_last_logits = keeps_last_logits(self.model)
+
     def _warm_up(self) -> None:
         for batch, length in ((1, 3), (2, 5)):
             ids = np.zeros((batch, length), np.int64)
@@ -118,12 +122,6 @@ class TorchTextBackend(_TorchBackend, TextBackend):
             positions = np.broadcast_to(np.arange(length), ids.shape).copy()
             _, past = self.run_text(ids, mask, positions, self.empty_past(batch))
             self.run_text(ids[:, :1], np.ones((batch, length + 1), np.int64), positions[:, :1] + length, past)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # models.llama computes the last position's logits alone when asked (the LM head and SegLU of one row
-        # instead of a whole prompt's)
-        self.keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     @torch.inference_mode()
     def run_text(
