@@ -96,6 +96,13 @@ const RowKernels* kernels_for(const std::string& isa) {
   return nullptr;
 }
 
+// The best path this CPU runs (what sessions use unless MULTIMAX_ORT_ISA forces one).
+const RowKernels* best_kernels() {
+  for (const char* isa : {"avx512", "avx2"})
+    if (kernels_for(isa) && cpu_has(isa)) return kernels_for(isa);
+  return &portable::kernels;
+}
+
 OrtStatus* choose_kernels(const RowKernels** out) {
   const char* forced = std::getenv("MULTIMAX_ORT_ISA");
   if (forced && *forced) {
@@ -105,9 +112,7 @@ OrtStatus* choose_kernels(const RowKernels** out) {
     *out = kernels_for(isa);
     return nullptr;
   }
-  for (const char* isa : {"avx512", "avx2"})
-    if (kernels_for(isa) && cpu_has(isa)) return (*out = kernels_for(isa)), nullptr;
-  *out = &portable::kernels;
+  *out = best_kernels();
   return nullptr;
 }
 
@@ -661,11 +666,7 @@ MM_EXPORT int MultiMaxSigmaRow(const float* x, float* y, int64_t n, const float*
     if (!kernels_for(isa) || !cpu_has(isa)) return -1;
     k = kernels_for(isa);
   } else {
-    static const RowKernels* best = [] {
-      for (const char* name : {"avx512", "avx2"})
-        if (kernels_for(name) && cpu_has(name)) return kernels_for(name);
-      return &portable::kernels;
-    }();
+    static const RowKernels* best = best_kernels();
     k = best;
   }
   Sigma p;
