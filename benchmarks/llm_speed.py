@@ -105,9 +105,8 @@ class TorchPath:
         from plugins.cpu_sigma import use_cpu_sigma
 
         self.model = model
-        self.fused_sigma = use_cpu_sigma(model)  # as the server's PyTorch backend: the fused library's SegLU
+        use_cpu_sigma(model)  # as the server's PyTorch backend: the fused library's SegLU
 
-    @torch.no_grad()
     def prefill(self, batch: int, length: int) -> Timer:
         ids = torch.from_numpy(_ids(self.model.config.vocab_size, batch, length, length))
 
