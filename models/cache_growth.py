@@ -27,6 +27,13 @@ def traced() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
 
 
+def room(total: int, max_length: int) -> int:
+    """Positions a buffer that must hold `total` gets when (re)allocated: twice that, at least MIN_CAPACITY, at
+    most the context `max_length` (0: none known), never less than `total`. The server's in-place onnxruntime
+    buffers (service.engine.model_folders) grow by the same rule."""
+    return max(total, min(max(2 * total, MIN_CAPACITY), max_length or 2 * total))
+
+
 def capacity(past: Tensor) -> int:
     """How many positions the buffer behind `past` (B, H, L, D) holds from its start: L for a tensor of its own,
     more for a view made by `extend`."""
@@ -51,8 +58,7 @@ def extend(past: Tensor, new: Tensor, max_length: int) -> Tensor:
     if capacity(past) >= total:
         out = past.as_strided((B, H, total, D), past.stride())
     else:
-        room = max(total, min(max(2 * total, MIN_CAPACITY), max_length))
-        buffer = past.new_empty((B, H, room, D))
+        buffer = past.new_empty((B, H, room(total, max_length), D))
         buffer[:, :, :L] = past
         out = buffer[:, :, :total]
     out[:, :, L:] = new

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import torch
 
 from models import registry as architectures
+from models.cache_growth import room
 from models.checkpoint import Checkpoint
 from models.hf_tokenizer import HFTokenizer
 from models.loading import CheckpointError
@@ -131,8 +132,8 @@ class GenaiTextBackend(TextBackend):
         model_file = path / str(decoder.get("filename", "model.onnx"))
         proto = _read_graph(model_file)
         self.fused_multimax = fused_ops_state(proto, options) if providers == ["CPUExecutionProvider"] else None
-        # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding);
-        # the server's batches are left-padded: such graphs get their rows realigned around each call
+        # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding):
+        # such graphs keep a right-padded cache (cache_layout), only a prefill's new tokens are realigned
         self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
         self.cache_layout = kvcache.RIGHT if self.right_padded else kvcache.LEFT
         del proto
@@ -188,8 +189,8 @@ class GenaiTextBackend(TextBackend):
         grows to twice what it must hold (at most the context), so that copy happens once per doubling."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            room = max(total, min(max(2 * total, 64), self.context or 2 * total))
-            past = kvcache.map_past(past, lambda t: kvcache.pad(t, room - t.shape[2], 2, at_end=True))
+            size = room(total, self.context)
+            past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         past = kvcache.map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew.
