@@ -26,6 +26,8 @@ from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 from service.engine.sampler import (
     ProcessorFailed,
     SamplingParams,
+    _plain_greedy,
+    _sample,
     adjusted_logits,
     new_generator,
     sample,
@@ -142,6 +144,38 @@ def test_the_eos_ban_alone_takes_the_best_allowed_token_of_each_row_and_leaves_t
     assert set(drawn) == {3}
     everything = sample(logits[:1], [Row(greedy, banned=(0, 1, 2, 3))])[1][0]
     assert isinstance(everything, ProcessorFailed) and "no token left" in str(everything)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_plain_greedy_path_gives_the_general_paths_tokens_and_errors(dtype: torch.dtype) -> None:
+    """A batch of greedy rows with at most an eos ban takes numpy's short path (every step of a greedy stream):
+    its tokens are the general path's, with ties, a banned argmax, bans of several ids; a non-finite logit or a
+    row with nothing left to draw leaves it for the general path, which names the row."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 50, dtype=dtype).round()  # rounded: rows with equal maxima
+    logits[2, 7] = logits[3, 7] = 100.0  # the argmax, banned in row 3
+    logits[4, 7], logits[4, 9] = 100.0, 100.0  # two equal maxima, the first banned
+    greedy, top_p0 = SamplingParams(8, temperature=0.0), SamplingParams(8, temperature=0.7, top_p=0.0)
+    rows = [Row(greedy), Row(top_p0), Row(greedy, banned=(8,)), Row(greedy, banned=(7,)),
+            Row(greedy, banned=(7, 3)), Row(top_p0, banned=(0,))]
+    plain = _plain_greedy(logits, rows)
+    assert plain is not None
+    assert plain == _sample(logits, rows, None) == sample(logits, rows)
+    masked = logits[3].clone()
+    masked[7] = float("-inf")
+    assert plain[0][2:5] == [7, int(masked.argmax()), 9]  # the best allowed; of equal maxima the first allowed
+    bad = logits.clone()
+    bad[1, 4] = float("-inf")
+    assert _plain_greedy(bad, rows) is None
+    tokens, errors = sample(bad, rows)
+    assert isinstance(errors[1], NonFiniteLogits) and errors[:1] + errors[2:] == [None] * 5
+    assert tokens[:1] + tokens[2:] == plain[0][:1] + plain[0][2:]
+    everything = [Row(greedy), Row(greedy, banned=tuple(range(50)))]
+    assert _plain_greedy(logits[:2], everything) is None
+    errors = sample(logits[:2], everything)[1]
+    assert errors[0] is None and isinstance(errors[1], ProcessorFailed)
+    sampling = [Row(greedy), Row(SamplingParams(8, temperature=0.7))]
+    assert _plain_greedy(logits[:2], sampling) is None
 
 
 def test_greedy_is_the_exact_argmax_and_sampling_rows_leave_it_alone() -> None:

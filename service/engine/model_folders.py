@@ -122,6 +122,7 @@ class GenaiTextBackend(TextBackend):
         self.context = context  # the most positions a cache buffer needs (0: unknown)
         self._binding: Any = None  # the decode step's IOBinding, reused while the cache buffers are the same
         self._bound: tuple[Any, ...] = ()
+        self._returned: Past | None = None  # the past the last decode step returned (its buffers are bound)
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -191,11 +192,15 @@ class GenaiTextBackend(TextBackend):
         if past[0][0].shape[2] < total:
             size = room(total, self.context)
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
-        past = kvcache.map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
-        # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew.
-        where = tuple((k.ctypes.data, v.ctypes.data, k.shape, k.dtype.str) for k, v in past)
-        binding = self._binding if where == self._bound else None
+        # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The
+        # past this call returned last time is those buffers as they are (the scheduler's cache functions make
+        # a new list for any change): not even their addresses need reading.
+        binding = self._binding if past is self._returned else None
+        if binding is None:
+            past = kvcache.map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
+            where = tuple((k.ctypes.data, v.ctypes.data, k.shape, k.dtype.str) for k, v in past)
+            binding = self._binding if where == self._bound else None
         if binding is None:
             binding = self.session.io_binding()
             binding.bind_output(self.logits_name, "cpu")  # first: get_outputs() lists outputs in binding order
@@ -210,6 +215,7 @@ class GenaiTextBackend(TextBackend):
         if self.position_name:
             binding.bind_cpu_input(self.position_name, np.ascontiguousarray(position_ids))
         self.session.run_with_iobinding(binding)
+        self._returned = past
         return binding.get_outputs()[0].numpy(), past
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,

@@ -89,6 +89,15 @@ def new_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed % 2**64)
 
 
+def host_view(logits: torch.Tensor) -> np.ndarray | None:
+    """The CPU float32/float64 logits as a numpy view (no copy), else None. The per-step reductions over the whole
+    vocabulary (is every logit finite, the argmax) run in numpy: on the sampler's one thread torch takes 13-130 us
+    for (1..16, 4096) where numpy takes 2-7 us (measured; a small model's decode step is 0.1-0.3 ms)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
+        return None
+    return logits.numpy()
+
+
 def _flat(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) of every token of every row, for one scatter into (B, V)."""
     lengths = torch.tensor([len(r) for r in rows])
@@ -161,7 +170,8 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplerRow],
     argmax of, and temperature scales; a float64 copy where anything changes them, else `logits` themselves),
     and each row's error."""
     logits = logits.detach().cpu()
-    finite = torch.isfinite(logits).all(-1)
+    host = host_view(logits)
+    finite = torch.from_numpy(np.isfinite(host).all(-1)) if host is not None else torch.isfinite(logits).all(-1)
     errors: list[Exception | None] = [None] * len(rows)
     all_finite = bool(finite.all())
     params = [r.params for r in rows]
@@ -226,14 +236,45 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], output_function: st
            ) -> tuple[list[int], list[Exception | None]]:
     """Next token of each row from `logits` (B, V), and each row's error (None where it was sampled; a failed
     row's token is meaningless)."""
+    plain = _plain_greedy(logits, rows)
+    if plain is not None:
+        return plain
     with _one_thread():
         return _sample(logits, rows, output_function)
+
+
+def _plain_greedy(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int], list[Exception | None]] | None:
+    """The common step of greedy rows with nothing but an eos ban (temperature or top_p 0; no processors, bias or
+    penalties; finite logits) in a few numpy calls, else None (the general path). Right after a model step the
+    interpreter's and libraries' code is out of the CPU's caches and every call costs several times what it costs
+    warm (measured after an onnxruntime step of the demo LLM: the general path's adjusted_logits 76 us, 28 us when
+    called again at once): this path makes a handful of calls where the general one makes dozens. Its tokens are
+    the general path's: the argmax with the banned ids removed (only recomputed when the argmax is banned), the
+    first of equal maxima."""
+    for r in rows:
+        p = r.params
+        if (p.temperature > 0 and p.top_p > 0) or p.processors or p.logit_bias or p.penalized:
+            return None
+    host = host_view(logits)
+    if host is None or not np.isfinite(host).all():
+        return None  # the general path names the rows that failed
+    tokens: list[int] = host.argmax(-1).tolist()
+    for i, r in enumerate(rows):
+        if r.banned and tokens[i] in r.banned:
+            allowed = host[i].copy()
+            allowed[list(r.banned)] = -np.inf
+            if not (allowed > -np.inf).any():
+                return None  # nothing left to draw: the general path fails the row
+            tokens[i] = int(allowed.argmax())
+    return tokens, [None] * len(rows)
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplerRow], output_function: str | None,
             ) -> tuple[list[int], list[Exception | None]]:
     logits, errors = adjusted_logits(logits, rows)
-    tokens = logits.argmax(-1)  # greedy, and where sampling degenerates
+    host = host_view(logits)
+    # greedy, and where sampling degenerates (numpy's argmax, like torch's, takes the first of equal maxima)
+    tokens = torch.from_numpy(host.argmax(-1)) if host is not None else logits.argmax(-1)
     drawing = [i for i, (r, e) in enumerate(zip(rows, errors, strict=True))
                if r.params.temperature > 0 and r.params.top_p > 0 and e is None]
     if drawing:
