@@ -1,4 +1,4 @@
-"""Decode speed of one onnxruntime-genai folder three ways, side by side, same threads, interleaved rounds:
+"""Decode speed of one onnxruntime-genai folder four ways, side by side, same threads, interleaved rounds:
 
     genai   onnxruntime-genai's own loop on the folder: `og.Generator` for one stream, one batched `og.Generator`
             (equal-length prompts) for 4 and 16; `og.Engine` is checked for correct text with prompts of different
@@ -7,6 +7,9 @@
             (token-id prompts, greedy, ignore_eos, fixed max_tokens)
     direct  the server's backend (service.engine.model_folders.GenaiTextBackend over the same model.onnx) in a bare
             batched greedy loop: what the server's decode costs without HTTP, scheduler or sampler
+    engine  the server's decode loop (service.engine.scheduler.TextScheduler: continuous batching, the sampler, the
+            hand-off of each step's tokens to an event loop) over that backend in this process, without HTTP:
+            server/engine is what the HTTP side costs, engine/direct what the scheduler costs
 
     base    with --base-tree TREE: the same server run from another source tree (e.g. main before a change), so a
             change's effect is measured side by side with the ratio server/base
@@ -165,11 +168,16 @@ def engine_is_correct(model: Any, vocab: int, max_tokens: int) -> tuple[bool, st
 # ---- the server's backend in a bare loop -----------------------------------------------------------------------
 
 
-def direct_backend(folder: Path, threads: int) -> Any:
+def load_entry(folder: Path, threads: int) -> Any:
+    """The folder as the server loads it (service.engine.model_folders.load_genai_folder)."""
     from service.base.config import Settings
     from service.engine.model_folders import load_genai_folder
 
-    return load_genai_folder(folder.name, folder, Settings(intra_op_threads=threads)).backend
+    return load_genai_folder(folder.name, folder, Settings(intra_op_threads=threads))
+
+
+def direct_backend(folder: Path, threads: int) -> Any:
+    return load_entry(folder, threads).backend
 
 
 def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
@@ -195,6 +203,59 @@ def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[
     run = Run(b, b * max_tokens, times[-1] - start, [times[0] - start] * b,
               [y - x for x, y in itertools.pairwise(times)] * b)
     return run, out
+
+
+# ---- the server's decode loop without HTTP ---------------------------------------------------------------------
+
+
+def engine_loop(entry: Any, backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
+    """The batch submitted at once to a TextScheduler (the server's, with the server's default limits) over
+    `backend`, greedy with ignore_eos as the server's requests; a token's time is when the event loop sees it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from models.tokenizer import tokenizer_from_dict
+    from service.__main__ import SWITCH_INTERVAL_S
+    from service.base.metrics import Metrics
+    from service.engine.sampler import SamplingParams
+    from service.engine.scheduler import GenSequence, TextScheduler
+
+    tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
+
+    async def main() -> tuple[Run, list[list[int]]]:
+        with ThreadPoolExecutor(1) as executor:
+            scheduler = TextScheduler(entry.name, backend, tokenizer, entry.context_length, executor, Metrics(),
+                                      max_running=64, max_waiting=256)
+            scheduler.start()
+            params = SamplingParams(max_tokens, temperature=0.0, ignore_eos=True)
+            seqs = [GenSequence(list(p), params) for p in batch]
+            stamps: list[list[float]] = [[] for _ in seqs]
+            start = time.perf_counter()
+            scheduler.submit(seqs)
+
+            async def follow(i: int, seq: GenSequence) -> None:
+                while True:
+                    now = time.perf_counter()
+                    stamps[i].extend([now] * (seq.generated - len(stamps[i])))
+                    if seq.done:
+                        return
+                    seq.changed.clear()
+                    await seq.changed.wait()
+
+            await asyncio.gather(*(follow(i, s) for i, s in enumerate(seqs)))
+            wall = time.perf_counter() - start
+            await scheduler.close()
+        if any(s.error is not None for s in seqs):
+            raise SystemExit(f"error: the engine failed a sequence: {next(s.error for s in seqs if s.error)}")
+        run = Run(len(seqs), sum(s.generated for s in seqs), wall, [t[0] - start for t in stamps],
+                  [b - a for t in stamps for a, b in itertools.pairwise(t)])
+        return run, [list(s.tokens) for s in seqs]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `python -m service` runs its threads
+    try:
+        return asyncio.run(main())
+    finally:
+        sys.setswitchinterval(interval)
 
 
 # ---- the server ------------------------------------------------------------------------------------------------
@@ -334,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     model = genai_model(folder, args.threads)
     ok, why = engine_is_correct(model, vocab, 16)
     print(f"og.Engine: {why}", flush=True)
-    backend = direct_backend(folder, args.threads)
+    entry = load_entry(folder, args.threads)
+    backend = entry.backend
     genai_batched: Callable[..., tuple[Run, list[list[int]]]] = genai_engine if ok else genai_generator
-    results: dict[str, dict[int, list[Run]]] = {"genai": {}, "server": {}, "direct": {}}
-    ratios: dict[str, dict[int, list[float]]] = {"server/genai": {}, "server/direct": {}}
+    results: dict[str, dict[int, list[Run]]] = {"genai": {}, "server": {}, "direct": {}, "engine": {}}
+    ratios: dict[str, dict[int, list[float]]] = {"server/genai": {}, "server/direct": {}, "engine/direct": {},
+                                                 "server/engine": {}}
     if args.base_tree is not None:
         results["base"], ratios["server/base"] = {}, {}
     with contextlib.ExitStack() as stack:
@@ -348,10 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         p = prompts(vocab, 1, args.prompt_len, 0)
         ref = genai_generator(model, p, 8)[1][0]
         direct = direct_loop(backend, p, 8)[1][0]
+        engine = engine_loop(entry, backend, p, 8)[1][0]
         server_run(base, folder.name, p, 8)
         if other is not None:
             server_run(other, folder.name, p, 8)
         print(f"greedy tokens agree (og.Generator vs the server's backend): {ref == direct}", flush=True)
+        print(f"greedy tokens agree (the server's backend vs its decode loop): {direct == engine}", flush=True)
         for rnd in range(args.rounds):
             for n in counts:
                 batch = prompts(vocab, n, args.prompt_len, 1000 * rnd + n)
@@ -359,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                     "genai": partial(_first, genai_generator if n == 1 else genai_batched, model, batch,
                                      args.max_tokens),
                     "server": partial(server_run, base, folder.name, batch, args.max_tokens),
-                    "direct": partial(_first, direct_loop, backend, batch, args.max_tokens)}
+                    "direct": partial(_first, direct_loop, backend, batch, args.max_tokens),
+                    "engine": partial(_first, engine_loop, entry, backend, batch, args.max_tokens)}
                 if other is not None:
                     ways["base"] = partial(server_run, other, folder.name, batch, args.max_tokens)
                 order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
@@ -368,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[k].setdefault(n, []).append(run)
                 ratios["server/genai"].setdefault(n, []).append(got["server"].tok_s / got["genai"].tok_s)
                 ratios["server/direct"].setdefault(n, []).append(got["server"].tok_s / got["direct"].tok_s)
+                ratios["engine/direct"].setdefault(n, []).append(got["engine"].tok_s / got["direct"].tok_s)
+                ratios["server/engine"].setdefault(n, []).append(got["server"].tok_s / got["engine"].tok_s)
                 if other is not None:
                     ratios["server/base"].setdefault(n, []).append(got["server"].tok_s / got["base"].tok_s)
                 print(f"round {rnd + 1} streams {n}: " + ", ".join(f"{k} {r.tok_s:.0f} tok/s" for k, r in

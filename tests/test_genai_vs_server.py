@@ -1,4 +1,4 @@
-"""benchmarks/genai_vs_server.py: the three ways generate the same greedy tokens, a short run reports every figure,
+"""benchmarks/genai_vs_server.py: the four ways generate the same greedy tokens, a short run reports every figure,
 and bad input exits 2 with one line (timings are never asserted)."""
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def test_genai_and_the_direct_loop_generate_the_same_tokens(folder: Path) -> Non
     run, theirs = bench.genai_generator(model, batch, 10)
     direct, ours = bench.direct_loop(backend, batch, 10)
     assert theirs == ours and all(len(t) == 10 for t in ours)
+    engine, scheduled = bench.engine_loop(bench.load_entry(folder, 1), backend, batch, 10)
+    assert scheduled == ours and engine.tokens == 40 and len(engine.ttft) == 4 and len(engine.gaps) == 4 * 9
     assert run.tokens == direct.tokens == 40 and len(run.gaps) == len(direct.gaps) == 4 * 9
     ok, why = bench.engine_is_correct(model, 259, 8)
     assert isinstance(ok, bool) and ("og.Engine" in why)
@@ -48,12 +50,14 @@ def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path,
                        "--max-tokens", "4", "--json", str(out), "--base-tree", str(DEMO_TEXT.parents[2])]) == 0
     report = json.loads(out.read_text())
     assert set(report["ratios"]["server/base"]) == {"1", "2"}
-    for way in ("genai", "server", "direct", "base"):
+    for way in ("genai", "server", "direct", "engine", "base"):
         for n in ("1", "2"):
             figures = report["results"][way][n]
             assert figures["tok_s"] > 0 and figures["ttft_p50_ms"] > 0, (way, n, figures)
-    assert set(report["ratios"]["server/genai"]) == {"1", "2"}
-    assert "greedy tokens agree (og.Generator vs the server's backend): True" in capsys.readouterr().out
+    assert set(report["ratios"]["server/genai"]) == set(report["ratios"]["engine/direct"]) == {"1", "2"}
+    out = capsys.readouterr().out
+    assert "greedy tokens agree (og.Generator vs the server's backend): True" in out
+    assert "greedy tokens agree (the server's backend vs its decode loop): True" in out
 
 
 def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
