@@ -127,7 +127,8 @@ def test_settings_come_from_env_and_cli_with_cli_winning() -> None:
 
 
 @pytest.mark.parametrize("env", [{"MULTIMAX_SERVE_PORT": "x"}, {"MULTIMAX_SERVE_BACKEND": "tpu"},
-                                 {"MULTIMAX_SERVE_MAX_BATCH_SIZE": "0"}])
+                                 {"MULTIMAX_SERVE_MAX_BATCH_SIZE": "0"}, {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "-1"},
+                                 {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "101"}])
 def test_bad_settings_exit_2_with_one_line(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         load_settings([], env)
@@ -787,16 +788,16 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:
 @pytest.mark.parametrize("interval", [0.0, 60.0])
 def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_its_wake_ups(
         interval: float, monkeypatch: pytest.MonkeyPatch, service_text_model: Any) -> None:
-    """The worker wakes the loop at most every HANDOFF_INTERVAL_S (or every HANDOFF_MAX_STEPS steps); each step
-    is still applied on its own and in order (seq.steps: one mark per step, what a stream sends one event for),
-    and the tokens are the reference generation's."""
+    """The worker wakes the loop at most every handoff_interval_s (--stream-interval-ms; or every HANDOFF_MAX_STEPS
+    steps); each step is still applied on its own and in order (seq.steps: one mark per step, what a stream sends
+    one event for), and the tokens are the reference generation's."""
     from service.engine import scheduler
 
-    monkeypatch.setattr(scheduler, "HANDOFF_INTERVAL_S", interval)
     drains = 0
 
     async def main() -> GenSequence:
         sched = _scheduler("onnxruntime")
+        sched.handoff_interval_s = interval
         drain = sched._drain
 
         def counting() -> None:
@@ -817,6 +818,13 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
     assert seq.finish_reason == "length" and seq.steps == list(range(1, 41))
     if interval:  # one wake-up per HANDOFF_MAX_STEPS steps, plus a drain each time the worker returns
         assert drains <= 40 // scheduler.HANDOFF_MAX_STEPS + 4, drains
+
+
+def test_stream_interval_ms_is_each_decode_loops_hand_off_interval() -> None:
+    assert load_settings([], {}).stream_interval_ms == 1.0
+    settings = load_settings(["--stream-interval-ms", "4.5", "--models", "text_multimax"], {})
+    loops = [rt.scheduler for rt in create_app(settings).state.runtimes.models.values() if hasattr(rt, "scheduler")]
+    assert loops and all(loop.handoff_interval_s == 0.0045 for loop in loops)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates() -> None:

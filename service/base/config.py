@@ -16,6 +16,7 @@ from typing import Any
 from service.base.access_config import check_access
 
 ENV_PREFIX = "MULTIMAX_SERVE_"
+MAX_STREAM_INTERVAL_MS = 100.0  # longer would show as a stalled stream
 SECRET_OPTIONS = ("api_key", "ssl_keyfile_password")  # --help shows no default, errors never show the value
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
@@ -93,6 +94,9 @@ class Settings:
     default_max_tokens: int = 16
     max_prompts_per_request: int = 16
     max_choices_per_request: int = 16  # sequences one completion request generates: prompts x best_of (or n)
+    # The decode loop hands its tokens to the event loop at most this often (each stream still sends one event per
+    # step, several steps' events in one write): fewer wake-ups and socket writes a token, tokens later by up to this
+    stream_interval_ms: float = 1.0
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -143,6 +147,9 @@ class Settings:
                      "warmup_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+            raise ValueError(f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS:g}, got "
+                             f"{self.stream_interval_ms}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
                      "idle_timeout_s"):
             if getattr(self, name) <= 0:
@@ -204,6 +211,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_prompts_per_request", int, "generation: prompts in one /v1/completions request", "N"),
     _Option("max_choices_per_request", int, "generation: sequences one /v1/completions request generates "
             "(prompts x best_of, or x n)", "N"),
+    _Option("stream_interval_ms", float, "generation: the decode loop hands its tokens to the streams at most this "
+            "often; each stream still gets one event per step, several steps' events in one write (fewer wake-ups and "
+            "socket writes a token, each token later by up to this)", "MS"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("idle_timeout_s", float, "a connection that sends nothing is closed after this", "S"),

@@ -140,7 +140,8 @@ class TextRuntime(_Runtime):
         self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
                                                      executor, metrics, settings.max_running_sequences,
                                                      settings.max_waiting_sequences,
-                                                     output_function=entry.config.get("output_function"))
+                                                     output_function=entry.config.get("output_function"),
+                                                     handoff_interval_s=settings.stream_interval_ms / 1000)
 
 
 ModelRuntime = VisionRuntime | TextRuntime

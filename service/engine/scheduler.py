@@ -46,7 +46,7 @@ STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back
 # Shortest time between two wake-ups of the event loop by the worker (service.scheduler._hand_off): each wake-up
 # is a thread switch that, on busy cores, costs the worker its CPU (measured below in docs/BENCHMARKS.md); a model
 # slower than this (the paper-size LM: 4-8 ms a step) still wakes the loop every step
-HANDOFF_INTERVAL_S = 0.001
+HANDOFF_INTERVAL_S = 0.001  # the default (--stream-interval-ms)
 HANDOFF_MAX_STEPS = 8  # ... or this many steps are queued: well under what a stream coalesces (MAX_BACKLOG)
 # An idle model's first prefill waits for the rest of a burst of arrivals (_gather_burst): while submissions keep
 # coming less than BURST_GAP_S apart, for at most BURST_MAX_S in all
@@ -154,8 +154,10 @@ class TextScheduler:
         max_running: int,
         max_waiting: int,
         output_function: str | None = None,
+        handoff_interval_s: float = HANDOFF_INTERVAL_S,
     ) -> None:
         self.model = model
+        self.handoff_interval_s = handoff_interval_s
         self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
         self.backend = backend
         self.tokenizer = tokenizer
@@ -190,9 +192,15 @@ class TextScheduler:
         self._handoff: deque[list[_Update]] = deque()
         self._drain_queued = False
         self._last_wake = 0.0
-        # every decode step observes these: the labelled children looked up once
+        # the children every step and sequence update touches, looked up once (a labels() call costs microseconds,
+        # and the loop applies one update per sequence and step)
         self._decode_time = metrics.compute_time.labels(model, "decode")
         self._decode_batch = metrics.batch_size.labels(model, "decode")
+        self._running_gauge = metrics.running.labels(model)
+        self._waiting_gauge = metrics.waiting.labels(model)
+        self._generation_tokens = metrics.generation_tokens.labels(model)
+        self._ttft = metrics.ttft.labels(model)
+        self._itl = metrics.itl.labels(model)
 
     # ---- endpoint side ----------------------------------------------------------------------------------
 
@@ -269,8 +277,8 @@ class TextScheduler:
             self._exclusive -= 1
 
     def _gauges(self) -> None:
-        self.metrics.running.labels(self.model).set(len(self._active))
-        self.metrics.waiting.labels(self.model).set(len(self._waiting))
+        self._running_gauge.set(len(self._active))
+        self._waiting_gauge.set(len(self._waiting))
 
     # ---- loop --------------------------------------------------------------------------------------------
 
@@ -377,7 +385,7 @@ class TextScheduler:
 
     def _apply(self, updates: list[_Update]) -> None:
         now = time.perf_counter()
-        m = self.metrics
+        generated = 0  # tokens of this step, counted once
         for u in updates:
             seq = u.row.seq
             if u.error is not None:
@@ -395,12 +403,12 @@ class TextScheduler:
                 seq.logprobs, seq.cumulative_logprob = u.logprobs, u.cumulative_logprob
             self.health.succeeded()
             if new > 0:
-                m.generation_tokens.labels(self.model).inc(new)
+                generated += new
                 if seq.first_token is None:
                     seq.first_token = now
-                    m.ttft.labels(self.model).observe(now - seq.arrival)
+                    self._ttft.observe(now - seq.arrival)
                 else:
-                    m.itl.labels(self.model).observe(now - (seq.last_token or now))
+                    self._itl.observe(now - (seq.last_token or now))
                 seq.last_token = now
             seq.tokens, seq.generated = u.tokens, u.generated
             seq.steps.append(len(u.tokens))
@@ -412,8 +420,10 @@ class TextScheduler:
                 if seq.started is not None:
                     took = now - seq.started
                     self._seq_seconds = took if self._seq_seconds is None else 0.9 * self._seq_seconds + 0.1 * took
-                m.e2e.labels(self.model).observe(now - seq.arrival)
+                self.metrics.e2e.labels(self.model).observe(now - seq.arrival)
             seq.changed.set()
+        if generated:
+            self._generation_tokens.inc(generated)
         self._gauges()
 
     # ---- worker thread ---------------------------------------------------------------------------------
@@ -432,7 +442,7 @@ class TextScheduler:
         return updates
 
     def _hand_off(self, updates: list[_Update], loop: asyncio.AbstractEventLoop) -> None:
-        """Queue a step's results for the loop, waking it only when no drain is queued yet and HANDOFF_INTERVAL_S
+        """Queue a step's results for the loop, waking it only when no drain is queued yet and handoff_interval_s
         have passed since the last wake-up (or HANDOFF_MAX_STEPS steps wait). A wake-up (a write to the loop's
         self-pipe) switches threads: the loop takes the GIL and, on loaded cores, the worker's CPU (profiled on
         the demo model: up to 0.8 ms a wake-up, more than a step). A fast model now hands over several steps per
@@ -441,7 +451,7 @@ class TextScheduler:
         before draining, so nothing is left behind."""
         self._handoff.append(updates)
         now = time.perf_counter()
-        due = now - self._last_wake >= HANDOFF_INTERVAL_S or len(self._handoff) >= HANDOFF_MAX_STEPS
+        due = now - self._last_wake >= self.handoff_interval_s or len(self._handoff) >= HANDOFF_MAX_STEPS
         if not self._drain_queued and due:
             self._drain_queued, self._last_wake = True, now
             loop.call_soon_threadsafe(self._drain)
