@@ -608,3 +608,61 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     elif ort_ops.library().available:  # the fused MultiMaxAttention wrote its present into the past's buffer
         runs, in_place_runs = (a - b for a, b in zip(ort_ops.run_counts(), runs_before, strict=True))
         assert runs > 0 and in_place_runs >= runs // 2, (runs, in_place_runs)
+
+
+def test_the_decode_loop_reserves_the_batchs_cache_so_it_grows_once(tmp_path: Path) -> None:
+    """The decode loop tells the genai backend how many columns its batch may still need (TextBackend.reserve):
+    the cache buffer is allocated once, at the first decode step, to hold them all (no doubling and copying on
+    the way), and the tokens are the model's own; a batch the hint no longer covers grows by doubling again."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from export.genai_folder import write_folder
+    from models.cache_growth import room
+    from models.checkpoint import load
+    from models.cli import main as models_main
+    from models.tokenizer import ByteTokenizer
+    from service.base.metrics import Metrics
+    from service.engine.model_folders import GenaiTextBackend
+    from service.engine.sampler import SamplingParams
+    from service.engine.scheduler import GenSequence, TextScheduler
+
+    assert models_main(["init", "gpt-nano", "--multimax", "attention,output", "-o", str(tmp_path / "m.pt")]) == 0
+    model, ckpt, _ = load(tmp_path / "m.pt")
+    folder = write_folder(model, ckpt, tmp_path / "nano-genai")
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    backend = GenaiTextBackend(folder, decoder, Settings(intra_op_threads=1))
+    buffers: list[tuple[int, int]] = []  # (address, capacity) of the layer-0 key buffer after each decode step
+    run_text = backend.run_text
+
+    def spy(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any) -> Any:
+        logits, presents = run_text(ids, mask, positions, past)
+        if ids.shape[1] == 1:
+            buffers.append((presents[0][0].ctypes.data, presents[0][0].shape[2]))
+        return logits, presents
+
+    backend.run_text = spy  # type: ignore[method-assign]
+    prompt = [5, 9, 77, 3, 12]
+
+    async def main() -> GenSequence:
+        sched = TextScheduler("nano", backend, ByteTokenizer(), 128, ThreadPoolExecutor(1), Metrics(), 8, 64)
+        sched.start()
+        seq = GenSequence(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        sched.submit([seq])
+        while not seq.done:
+            seq.changed.clear()
+            await seq.changed.wait()
+        await sched.close()
+        return seq
+
+    seq = asyncio.run(main())
+    assert seq.tokens == generate(model, prompt, 40, temperature=0.0)[0]
+    assert len(buffers) == 39 and set(buffers) == {buffers[0]}  # one buffer, written in place throughout
+    assert buffers[0][1] == len(prompt) + 40 - 1  # the prompt and every token fed back: no more, no less
+    backend.reserve(3)  # a stale hint (smaller than the batch): growth falls back to doubling
+    ids = np.array([prompt], np.int64)
+    mask = np.ones_like(ids)
+    _, past = run_text(ids, mask, np.arange(5)[None], backend.empty_past(1))
+    mask = np.ones((1, 6), np.int64)
+    _, past = run_text(np.array([[7]], np.int64), mask, np.array([[5]]), past)
+    assert past[0][0].shape[2] == room(6, backend.context) > 6  # the doubling rule's size
