@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
+from typing import Any
 
 import pytest
 import torch
 
-from models.generate import generate, left_pad, sample_next, top_p_filter
+from models.generate import generate, left_pad, sample_next, stop_match, top_p_filter
 from models.gpt import (
     GPT,
     GPT_PRESETS,
@@ -190,6 +192,41 @@ def test_stop_sequences_truncate() -> None:
     assert greedy(model, prompt, 40, stop=[b"\xff\xfe\xfd", stop_b]) == ref[: end - 2]
     # eos ends a row and is not returned.
     assert greedy(model, prompt, 40, eos_id=ref[6]) == ref[: ref.index(ref[6])]
+
+
+class _WholeText:
+    """A tokenizer without `concatenates`: stop_match decodes the whole text each time."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode_bytes(self, ids: Any) -> bytes:
+        return bytes(self.inner.decode_bytes(ids))
+
+
+def test_stop_match_on_the_last_tokens_answers_as_on_the_whole_text() -> None:
+    """A concatenating tokenizer has only the last tokens holding the longest stop decoded: the same answers as
+    the whole text, for stops inside, across and at the edges of tokens, among special tokens (no bytes), for
+    the byte tokenizer and the demo LLM's byte-level BPE (multi-byte tokens, one holding a stop and more)."""
+    from models.demo import DEMO_DIR
+    from models.hf_tokenizer import HFTokenizer
+    from service.engine.hf_text import HFTextTokenizer
+
+    rng = random.Random(0)
+    byte = ByteTokenizer()
+    bpe = HFTextTokenizer(HFTokenizer.from_folder(DEMO_DIR / "llama_seglu"))
+    assert byte.concatenates and bpe.concatenates
+    bpe_ids = [bpe.encode(w)[0] for w in ("a", "b", " the", "ab", "\n", " function", "e")]
+    for tok, alphabet in ((byte, [97, 98, 10, 0xC3, 0xA9, 256, 257]), (bpe, [*bpe_ids, *sorted(bpe.special_ids)])):
+        stop_sets = [(b"ab",), (b"\n\n", b"b\xc3\xa9"), (b"a",), (b"the f", b"nction"), (b"a" * 30,)]
+        found = 0
+        for _ in range(3000):
+            tokens = [rng.choice(alphabet) for _ in range(rng.randrange(0, 14))]
+            stops = rng.choice(stop_sets)
+            got = stop_match(tokens, stops, tok)
+            assert got == stop_match(tokens, stops, _WholeText(tok)), (tokens, stops)
+            found += got is not None
+        assert found > 100, found  # the stops were met often, not only missed
 
 
 def test_context_limits() -> None:

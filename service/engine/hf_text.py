@@ -50,6 +50,7 @@ class HFTextTokenizer:
         self.hf = hf
         self.chat_template = hf.chat_template
         self.byte_level = _is_byte_level(hf)
+        self.concatenates = self.byte_level  # decode_bytes joins each token's own bytes (stop_match's tail)
         added = hf.tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._alphabet = _byte_level_alphabet() if self.byte_level else {}
