@@ -87,6 +87,12 @@ def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
     return [s for s in out if s]
 
 
+def _concatenates(tokenizer: Detokenizer) -> bool:
+    """Whether the bytes of tokens a + b are a's then b's: the byte tokenizer's (its ids are bytes), and any that
+    says so (`concatenates`: service.engine.hf_text's byte-level BPE)."""
+    return isinstance(tokenizer, ByteTokenizer) or bool(getattr(tokenizer, "concatenates", False))
+
+
 def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detokenizer) -> int | None:
     """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None.
 
@@ -97,7 +103,7 @@ def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detoken
     if not stops:
         return None
     start = 0
-    if getattr(tokenizer, "concatenates", False):
+    if _concatenates(tokenizer):
         longest, held, start = max(map(len, stops)), 0, len(tokens)
         while start and held < longest:
             start -= 1

@@ -16,7 +16,6 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; `<|bos|>` 256, `<|eos|>` 257, `<|pad|>` 258."""
 
     type = "byte"
-    concatenates = True  # the bytes of a + b are a's then b's (models.generate.stop_match decodes a tail only)
 
     def __init__(self) -> None:
         self.special_tokens = dict(SPECIAL_TOKENS)
