@@ -181,11 +181,9 @@ def direct_backend(folder: Path, threads: int) -> Any:
 
 
 def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
-    """Prefill the batch in one call, then one batched decode call a token, greedy (argmax); the cache buffers
-    sized for the whole generation at once (TextBackend.reserve), as og.Generator's max_length sizes its own."""
+    """Prefill the batch in one call, then one batched decode call a token, greedy (argmax)."""
     ids = np.asarray(batch, dtype=np.int64)
     b, length = ids.shape
-    backend.reserve(length + max_tokens - 1)
     start = time.perf_counter()
     mask = np.ones((b, length), dtype=np.int64)
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), (b, length))

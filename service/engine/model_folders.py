@@ -123,7 +123,6 @@ class GenaiTextBackend(TextBackend):
         self._binding: Any = None  # the decode step's IOBinding, reused while the cache buffers are the same
         self._bound: tuple[Any, ...] = ()
         self._returned: Past | None = None  # the past the last decode step returned (its buffers are bound)
-        self._reserved = 0  # columns the running batch may still need (reserve): what the next growth allocates
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -191,9 +190,7 @@ class GenaiTextBackend(TextBackend):
         grows to twice what it must hold (at most the context), so that copy happens once per doubling."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            # enough for the whole batch when the decode loop said how much that is, else twice what is needed
-            reserved = min(self._reserved, self.context or self._reserved)
-            size = reserved if reserved >= total else room(total, self.context)
+            size = room(total, self.context)
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The
@@ -220,9 +217,6 @@ class GenaiTextBackend(TextBackend):
         self.session.run_with_iobinding(binding)
         self._returned = past
         return binding.get_outputs()[0].numpy(), past
-
-    def reserve(self, positions: int) -> None:
-        self._reserved = positions
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: Past) -> tuple[np.ndarray, Past]:

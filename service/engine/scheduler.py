@@ -555,25 +555,12 @@ class TextScheduler:
         else:
             self._past, self._mask = presents, mask
         self._rows.extend(rows)
-        self._reserve_cache()
         self.steps["prefill"] += 1
         self.steps["prefill_prompts"] += len(unique)
         self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
         self.metrics.batch_size.labels(self.model, "prefill").observe(len(unique))
         self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in unique))
         return updates
-
-    def _reserve_cache(self) -> None:
-        """Tell a backend that grows its cache in place how many columns this batch may still need: each decode
-        step adds one column for every row, so the batch needs its columns now plus its longest remaining
-        generation (a row's max_tokens, or the context, less what it has generated). Rows that leave only lower
-        that, so it is said when rows join."""
-        reserve = getattr(self.backend, "reserve", None)
-        if reserve is None or not self._rows:
-            return
-        remaining = max(min(r.seq.params.max_tokens - r.generated,
-                            self.context_length - len(r.seq.prompt) - r.generated) for r in self._rows)
-        reserve(self._mask.shape[1] + max(remaining, 0))
 
     def _prompt_logprobs(self, seq: GenSequence, logits: Any) -> TokenLogprobs:
         """Logprobs of the prompt's tokens from the prefill's logits (T, V) of its (left-padded) row: the first

@@ -70,11 +70,6 @@ class TextBackend(Backend):
     def empty_past(self, batch: int) -> Past:
         """A cache of length 0 for `batch` rows, in the backend's array type."""
 
-    def reserve(self, positions: int) -> None:
-        """A hint from the decode loop: the running batch's cache will need at most `positions` columns. A backend
-        whose cache buffers grow in place sizes its next growth to that instead of doubling (no copy while the
-        batch is unchanged); the rest ignore it."""
-
     def to_numpy(self, logits: Any) -> np.ndarray:
         """Logits in the backend's array type -> float32 numpy (what the protocols see)."""
         return np.asarray(logits, dtype=np.float32)
