@@ -64,10 +64,6 @@ def pad(x: Any, n: int, axis: int, at_end: bool = False) -> Any:
     return torch.cat([x, zeros_t] if at_end else [zeros_t, x], dim=axis)
 
 
-def pad_left(x: Any, n: int, axis: int) -> Any:
-    return pad(x, n, axis)
-
-
 def drop_left(x: Any, n: int, axis: int) -> Any:
     if n == 0:
         return x
@@ -95,7 +91,7 @@ def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
     room = max(past_a[0][0].shape[2], past_b[0][0].shape[2]) if past_a and past_b else 0
     past_a = map_past(past_a, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
     past_b = map_past(past_b, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
-    mask = np.concatenate([pad_left(mask_a, length - la, 1), pad_left(mask_b, length - lb, 1)], axis=0)
+    mask = np.concatenate([pad(mask_a, length - la, 1), pad(mask_b, length - lb, 1)], axis=0)
     past = [(cat_rows([ka, kb]), cat_rows([va, vb])) for (ka, va), (kb, vb) in zip(past_a, past_b, strict=True)]
     return past, mask
 

@@ -374,13 +374,7 @@ class TextScheduler:
             self._active.discard(seq)
             seq.changed.set()
         # drop their rows (thread idle here: the step that failed has returned)
-        keep = [i for i, r in enumerate(self._rows) if r.seq not in failed]
-        if self._rows and len(keep) < len(self._rows):
-            self._rows = [self._rows[i] for i in keep]
-            if self._rows:
-                self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
-            else:
-                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        self._keep_rows([i for i, r in enumerate(self._rows) if r.seq not in failed])
         self._gauges()
 
     def _apply(self, updates: list[_Update]) -> None:
@@ -461,14 +455,19 @@ class TextScheduler:
         while self._handoff:
             self._apply(self._handoff.popleft())
 
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Only these rows of the batch stay (their cache rows and mask with them; the columns that became padding
+        for all of them trimmed)."""
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        if self._rows:
+            self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
+        else:
+            self._past, self._mask = [], np.zeros((0, 0), np.int64)
+
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
-        keep = [i for i, r in enumerate(self._rows) if r.live]
-        if len(keep) < len(self._rows):
-            self._rows = [self._rows[i] for i in keep]
-            if self._rows:
-                self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
-            else:
-                self._past, self._mask = [], np.zeros((0, 0), np.int64)
+        self._keep_rows([i for i, r in enumerate(self._rows) if r.live])
         admitted = [s for s in admitted if not s.cancelled]
         if admitted:
             return self._prefill_isolated(admitted)
