@@ -574,6 +574,7 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
 
     got: dict[int, list[int]] = {}
     in_place = 0
+    logits_buffers: list[np.ndarray] = [np.zeros(0)]
     last, past, mask = prefill(prompts)
     rows = [0, 1, 2]
     for i, t in zip(rows, last, strict=True):
@@ -596,12 +597,17 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
         if before is not None:  # a buffer with room: written in place, not copied
             assert past[0][0].ctypes.data == before
             in_place += 1
+        if logits is not logits_buffers[-1]:
+            logits_buffers.append(logits)
         last = [int(t) for t in logits[:, -1].argmax(-1)]
         for r, t in zip(rows, last, strict=True):
             got[r].append(t)
     assert got[0] == want[0] and got[2] == want[2]
     assert got[1] == want[1][:4] and got[3] == want[3][:len(got[3])]
     assert in_place >= 6  # most steps wrote into the buffer they were given
+    # the logits land in the backend's own buffer, bound with the cache's: a new one only with new cache buffers
+    # (the first step, the leave, the join), not one read back each step
+    assert len(logits_buffers) - 1 <= 3, len(logits_buffers)
     if layout == kvcache.RIGHT:  # the shortest row's cache has zeros (never written) after its own positions
         k = past[0][0]
         assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()

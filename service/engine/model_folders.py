@@ -123,6 +123,7 @@ class GenaiTextBackend(TextBackend):
         self._binding: Any = None  # the decode step's IOBinding, reused while the cache buffers are the same
         self._bound: tuple[Any, ...] = ()
         self._returned: Past | None = None  # the past the last decode step returned (its buffers are bound)
+        self._logits: np.ndarray | None = None  # the decode step's logits buffer, bound with the cache buffers
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -165,6 +166,13 @@ class GenaiTextBackend(TextBackend):
         if missing:
             raise BackendUnavailable(f"{path.name}: model.onnx has no input {missing[0]} that {GENAI_CONFIG} names")
         self.past_dtype = np.float16 if inputs[self.past_names[0][0]].type == "tensor(float16)" else np.float32
+        logits_out = next((o for o in self.session.get_outputs() if o.name == self.logits_name), None)
+        width = logits_out.shape[-1] if logits_out is not None and logits_out.shape else None
+        # a static vocabulary width lets decode steps write their logits into a buffer of ours (none: onnxruntime
+        # allocates them each step, and reading them back wraps every bound output, about 9 us a step)
+        self._logits_row: tuple[int, Any] | None = None
+        if isinstance(width, int) and logits_out is not None and logits_out.type in _NUMPY_TYPES:
+            self._logits_row = (width, _NUMPY_TYPES[logits_out.type])
 
     def run_text(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                  past: Past) -> tuple[np.ndarray, Past]:
@@ -203,7 +211,14 @@ class GenaiTextBackend(TextBackend):
             binding = self._binding if where == self._bound else None
         if binding is None:
             binding = self.session.io_binding()
-            binding.bind_output(self.logits_name, "cpu")  # first: get_outputs() lists outputs in binding order
+            if self._logits_row is not None:
+                width, dtype = self._logits_row
+                self._logits = np.empty((len(input_ids), 1, width), dtype)
+                binding.bind_output(self.logits_name, "cpu", 0, dtype, list(self._logits.shape),
+                                    self._logits.ctypes.data)
+            else:
+                self._logits = None
+                binding.bind_output(self.logits_name, "cpu")  # first: get_outputs() lists outputs in binding order
             for i, ((key_name, value_name), (key, value)) in enumerate(zip(self.past_names, past, strict=True)):
                 for name, out_name, buffer in ((key_name, self.present_names[2 * i], key),
                                                (value_name, self.present_names[2 * i + 1], value)):
@@ -216,6 +231,8 @@ class GenaiTextBackend(TextBackend):
             binding.bind_cpu_input(self.position_name, np.ascontiguousarray(position_ids))
         self.session.run_with_iobinding(binding)
         self._returned = past
+        if self._logits is not None:  # valid until the next decode step writes into the same buffer
+            return self._logits, past
         return binding.get_outputs()[0].numpy(), past
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
@@ -239,6 +256,9 @@ class GenaiTextBackend(TextBackend):
 
     def close(self) -> None:
         del self.session
+
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def _roll_rows(a: np.ndarray, shift: np.ndarray, axis: int) -> np.ndarray:

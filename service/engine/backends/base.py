@@ -64,7 +64,8 @@ class TextBackend(Backend):
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
     ) -> tuple[Any, Past]:
-        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new)."""
+        """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new). The logits
+        may be a buffer that the backend's next call overwrites (decode steps on onnxruntime): use them first."""
 
     @abstractmethod
     def empty_past(self, batch: int) -> Past:
