@@ -14,13 +14,23 @@
     base    with --base-tree TREE: the same server run from another source tree (e.g. main before a change), so a
             change's effect is measured side by side with the ratio server/base
 
-    python -m benchmarks.genai_vs_server DIR [--threads 2] [--streams 1,4,16] [--rounds 3] [--max-tokens 64]
-                                         [--base-tree TREE]
+Two workloads (--workload):
+    equal   N streams, one request each, all sent at once, every one max_tokens long: a static batch's best case
+            (the batched Generator has no row that finishes early)
+    varied  N streams each sending requests back to back (a load tester's "concurrency N"), 4N requests in all,
+            each asking for its own number of tokens (uniform in [max_tokens/4, max_tokens], seeded; prompts stay
+            prompt-len long, since og.Generator batches only equal-length prompts). genai and direct serve them in
+            static batches of N in arrival order, each running until its longest request is done (what a batched
+            Generator can do); the server and the engine admit a request as soon as a stream sends it
 
-Each figure is output tokens/s over all streams (N x max_tokens / wall time from the first send to the last
-token), with time to first token and inter-token latency (gaps between a stream's tokens; the server's are
-between its SSE events, one per decode step) p50/p99 beside it. The ratios are medians of per-round ratios, so a
-slow moment of a shared machine hits both sides of one ratio alike. Exit status 2 with one line for bad input.
+    python -m benchmarks.genai_vs_server DIR [--threads 2] [--streams 1,4,16] [--rounds 3] [--max-tokens 64]
+                                         [--workload equal|varied] [--base-tree TREE]
+
+Each figure is output tokens/s over all streams (the tokens the requests asked for / wall time from the first send
+to the last token), with time to first token (from each request's send) and inter-token latency (gaps between a
+request's tokens; the server's are between its SSE events, one per decode step) p50/p99 beside it. The ratios are
+medians of per-round ratios, so a slow moment of a shared machine hits both sides of one ratio alike. Exit status 2
+with one line for bad input.
 """
 
 from __future__ import annotations
@@ -64,11 +74,50 @@ class Run:
         return self.tokens / self.wall
 
 
+Request = tuple[list[int], int]  # a prompt's token ids and the tokens asked for
+REQUESTS_PER_STREAM = 4  # the varied workload's requests per stream
+
+
 def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     """n token-id prompts of `length` tokens (ids 32..126 when the vocabulary has them: text of the byte demos)."""
     rng = np.random.default_rng(seed)
     low, high = (32, 127) if vocab > 127 else (0, vocab)
     return [rng.integers(low, high, length).tolist() for _ in range(n)]
+
+
+def workload(kind: str, vocab: int, streams: int, prompt_len: int, max_tokens: int, seed: int) -> list[Request]:
+    """The requests of one round (module docstring): `equal`, one a stream of max_tokens each; `varied`,
+    REQUESTS_PER_STREAM a stream, each asking for a seeded number of tokens in [max_tokens / 4, max_tokens]."""
+    if kind == "equal":
+        return [(p, max_tokens) for p in prompts(vocab, streams, prompt_len, seed)]
+    count = REQUESTS_PER_STREAM * streams
+    asked = np.random.default_rng(seed + 1).integers(max(max_tokens // 4, 2), max_tokens + 1, count).tolist()
+    return list(zip(prompts(vocab, count, prompt_len, seed), asked, strict=True))
+
+
+def static_batches(fn: Callable[[list[list[int]], list[int]], tuple[Run, list[list[int]]]],
+                   requests: list[Request], streams: int) -> tuple[Run, list[list[int]]]:
+    """`requests` served `streams` at a time in arrival order by a static batcher `fn(prompts, asked)`, each
+    batch started when the one before has ended; each request's time to first token counts from its batch's
+    start (when its stream sent it)."""
+    start = time.perf_counter()
+    run = Run(streams, 0, 0.0)
+    out: list[list[int]] = []
+    for i in range(0, len(requests), streams):
+        chunk = requests[i:i + streams]
+        part, tokens = fn([p for p, _ in chunk], [m for _, m in chunk])
+        run.tokens += part.tokens
+        run.ttft += part.ttft
+        run.gaps += part.gaps
+        out += tokens
+    run.wall = time.perf_counter() - start
+    return run, out
+
+
+def _rows_run(start: float, times: list[float], asked: list[int]) -> Run:
+    """The Run of a batch whose rows all got a token at each of `times`, row i keeping its first asked[i]."""
+    return Run(len(asked), sum(asked), max(times[m - 1] for m in asked) - start, [times[0] - start] * len(asked),
+               [b - a for m in asked for a, b in itertools.pairwise(times[:m])])
 
 
 # ---- onnxruntime-genai ----------------------------------------------------------------------------------------
@@ -83,14 +132,17 @@ def genai_model(folder: Path, threads: int) -> Any:
     return og.Model(config)
 
 
-def genai_generator(model: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
-    """One `og.Generator` over the batch (equal-length prompts: it has no per-row prompt lengths), greedy."""
+def genai_generator(model: Any, batch: list[list[int]], asked: list[int] | int) -> tuple[Run, list[list[int]]]:
+    """One `og.Generator` over the batch (equal-length prompts: it has no per-row prompt lengths), greedy, until
+    the row that asked for most tokens has them (`asked`: per row, or one number for all); each row keeps (and
+    counts) the tokens it asked for."""
     import onnxruntime_genai as og
 
-    length = len(batch[0])
+    asked = [asked] * len(batch) if isinstance(asked, int) else asked
+    length, steps = len(batch[0]), max(asked)
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, batch_size=len(batch), max_length=length + max_tokens,
-                              min_length=length + max_tokens)
+    params.set_search_options(do_sample=False, batch_size=len(batch), max_length=length + steps,
+                              min_length=length + steps)
     start = time.perf_counter()
     gen = og.Generator(model, params)
     gen.append_tokens(np.asarray(batch, dtype=np.int32))
@@ -98,26 +150,24 @@ def genai_generator(model: Any, batch: list[list[int]], max_tokens: int) -> tupl
     while not gen.is_done():
         gen.generate_next_token()
         times.append(time.perf_counter())
-    wall = times[-1] - start
-    out = [list(gen.get_sequence(i))[length:] for i in range(len(batch))]
-    run = Run(len(batch), sum(len(o) for o in out), wall, [times[0] - start] * len(batch),
-              [b - a for a, b in itertools.pairwise(times)] * len(batch))
-    return run, out
+    out = [list(gen.get_sequence(i))[length:length + m] for i, m in enumerate(asked)]
+    return _rows_run(start, times, asked), out
 
 
-def genai_engine(model: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
+def genai_engine(model: Any, batch: list[list[int]], asked: list[int] | int) -> tuple[Run, list[list[int]]]:
     """`og.Engine` (onnxruntime-genai's continuous batching) with one request per prompt, greedy."""
     import onnxruntime_genai as og
 
+    asked = [asked] * len(batch) if isinstance(asked, int) else asked
     engine = og.Engine(model)
     start = time.perf_counter()
     requests = []
-    for p in batch:
+    for p, m in zip(batch, asked, strict=True):
         req = engine.create_request()
         opts = og.TurnOptions(req)
         opts.set_do_sample(False)
-        opts.set_max_generated_tokens(max_tokens)
-        opts.set_min_generated_tokens(max_tokens)
+        opts.set_max_generated_tokens(m)
+        opts.set_min_generated_tokens(m)
         req.begin_turn(np.asarray(p, dtype=np.int32), opts)
         requests.append(req)
     index = {id(r): i for i, r in enumerate(requests)}
@@ -180,37 +230,39 @@ def direct_backend(folder: Path, threads: int) -> Any:
     return load_entry(folder, threads).backend
 
 
-def direct_loop(backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
-    """Prefill the batch in one call, then one batched decode call a token, greedy (argmax)."""
+def direct_loop(backend: Any, batch: list[list[int]], asked: list[int] | int) -> tuple[Run, list[list[int]]]:
+    """Prefill the batch in one call, then one batched decode call a token, greedy (argmax), until the row that
+    asked for most tokens has them; each row keeps (and counts) the tokens it asked for."""
+    asked = [asked] * len(batch) if isinstance(asked, int) else asked
     ids = np.asarray(batch, dtype=np.int64)
     b, length = ids.shape
+    steps = max(asked)
     start = time.perf_counter()
     mask = np.ones((b, length), dtype=np.int64)
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), (b, length))
     logits, past = backend.run_text(ids, mask, positions, backend.empty_past(b))
     out: list[list[int]] = [[] for _ in range(b)]
     times = []
-    for step in range(max_tokens):
+    for step in range(steps):
         nxt = backend.to_numpy(logits)[:, -1].argmax(axis=-1)
         for i, t in enumerate(nxt.tolist()):
             out[i].append(int(t))
         times.append(time.perf_counter())
-        if step == max_tokens - 1:
+        if step == steps - 1:
             break
         mask = np.ones((b, length + step + 1), dtype=np.int64)
         pos = np.full((b, 1), length + step, dtype=np.int64)
         logits, past = backend.run_text(nxt.astype(np.int64)[:, None], mask, pos, past)
-    run = Run(b, b * max_tokens, times[-1] - start, [times[0] - start] * b,
-              [y - x for x, y in itertools.pairwise(times)] * b)
-    return run, out
+    return _rows_run(start, times, asked), [o[:m] for o, m in zip(out, asked, strict=True)]
 
 
 # ---- the server's decode loop without HTTP ---------------------------------------------------------------------
 
 
-def engine_loop(entry: Any, backend: Any, batch: list[list[int]], max_tokens: int) -> tuple[Run, list[list[int]]]:
-    """The batch submitted at once to a TextScheduler (the server's, with the server's default limits) over
-    `backend`, greedy with ignore_eos as the server's requests; a token's time is when the event loop sees it."""
+def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int) -> tuple[Run, list[list[int]]]:
+    """`streams` clients each submitting its next request to a TextScheduler (the server's, with the server's
+    default limits) over `backend` when its last one has finished, greedy with ignore_eos as the server's
+    requests; a token's time is when the event loop sees it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from models.tokenizer import tokenizer_from_dict
@@ -226,27 +278,31 @@ def engine_loop(entry: Any, backend: Any, batch: list[list[int]], max_tokens: in
             scheduler = TextScheduler(entry.name, backend, tokenizer, entry.context_length, executor, Metrics(),
                                       max_running=64, max_waiting=256)
             scheduler.start()
-            params = SamplingParams(max_tokens, temperature=0.0, ignore_eos=True)
-            seqs = [GenSequence(list(p), params) for p in batch]
+            seqs = [GenSequence(list(p), SamplingParams(m, temperature=0.0, ignore_eos=True)) for p, m in requests]
             stamps: list[list[float]] = [[] for _ in seqs]
+            sent = [0.0] * len(seqs)
+            queue = iter(range(len(seqs)))
+
+            async def client() -> None:
+                for i in queue:  # the stream's next request once its last one has finished
+                    seq = seqs[i]
+                    sent[i] = time.perf_counter()
+                    scheduler.submit([seq])
+                    while True:
+                        now = time.perf_counter()
+                        stamps[i].extend([now] * (seq.generated - len(stamps[i])))
+                        if seq.done:
+                            break
+                        seq.changed.clear()
+                        await seq.changed.wait()
+
             start = time.perf_counter()
-            scheduler.submit(seqs)
-
-            async def follow(i: int, seq: GenSequence) -> None:
-                while True:
-                    now = time.perf_counter()
-                    stamps[i].extend([now] * (seq.generated - len(stamps[i])))
-                    if seq.done:
-                        return
-                    seq.changed.clear()
-                    await seq.changed.wait()
-
-            await asyncio.gather(*(follow(i, s) for i, s in enumerate(seqs)))
+            await asyncio.gather(*(client() for _ in range(streams)))
             wall = time.perf_counter() - start
             await scheduler.close()
         if any(s.error is not None for s in seqs):
             raise SystemExit(f"error: the engine failed a sequence: {next(s.error for s in seqs if s.error)}")
-        run = Run(len(seqs), sum(s.generated for s in seqs), wall, [t[0] - start for t in stamps],
+        run = Run(streams, sum(s.generated for s in seqs), wall, [t[0] - s for t, s in zip(stamps, sent, strict=True)],
                   [b - a for t in stamps for a, b in itertools.pairwise(t)])
         return run, [list(s.tokens) for s in seqs]
 
@@ -304,12 +360,13 @@ def _wait_ready(base: str, proc: subprocess.Popen[str], name: str) -> None:
     raise SystemExit("error: the server did not become ready in 600 s")
 
 
-async def _stream(session: Any, url: str, name: str, prompt: list[int], max_tokens: int, start: float,
+async def _stream(session: Any, url: str, name: str, prompt: list[int], max_tokens: int,
                   sink: list[tuple[float, list[float], int]]) -> None:
     body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     stamps: list[float] = []
     tokens = 0
+    start = time.perf_counter()
     async with session.post(url, json=body) as r:
         if r.status != 200:
             raise SystemExit(f"error: the server answered {r.status}: {(await r.text())[:300]}")
@@ -323,20 +380,30 @@ async def _stream(session: Any, url: str, name: str, prompt: list[int], max_toke
                     stamps.append(time.perf_counter())
             elif event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
+    if not stamps:  # no token decoded to text (special ids of a random model): the end stands for the first token
+        stamps.append(time.perf_counter())
     sink.append((stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)], tokens))
 
 
-def server_run(base: str, name: str, batch: list[list[int]], max_tokens: int) -> Run:
+def server_run(base: str, name: str, requests: list[Request], streams: int) -> Run:
+    """`streams` clients each sending its next request (streamed /v1/completions) when its last one has ended."""
     import aiohttp
 
     async def main() -> Run:
         sink: list[tuple[float, list[float], int]] = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        queue = iter(requests)
+        # one connection per stream, as the streams of a load tester (aiohttp's default pool holds 100)
+        connector = aiohttp.TCPConnector(limit=max(streams, 100))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as session:
+
+            async def client() -> None:
+                for p, m in queue:
+                    await _stream(session, f"{base}/v1/completions", name, p, m, sink)
+
             start = time.perf_counter()
-            await asyncio.gather(*(_stream(session, f"{base}/v1/completions", name, p, max_tokens, start, sink)
-                                   for p in batch))
+            await asyncio.gather(*(client() for _ in range(streams)))
             wall = time.perf_counter() - start
-        return Run(len(batch), sum(s[2] for s in sink), wall, [s[0] for s in sink], [g for s in sink for g in s[1]])
+        return Run(streams, sum(s[2] for s in sink), wall, [s[0] for s in sink], [g for s in sink for g in s[1]])
 
     return asyncio.run(main())
 
@@ -366,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,4,16", help="concurrent streams, comma-separated (default 1,4,16)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens a stream (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=64,
+                    help="generated tokens a request (varied: the most a request asks for; default 64)")
+    ap.add_argument("--workload", choices=("equal", "varied"), default="equal",
+                    help="equal: one request a stream, all max-tokens long; varied: requests back to back, of "
+                         "different lengths (module docstring; default equal)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` option")
     ap.add_argument("--base-tree", type=Path, help="also serve the folder from this source tree's code (way 'base')")
     ap.add_argument("--json", type=Path, help="write the results here too")
@@ -411,23 +482,23 @@ def main(argv: list[str] | None = None) -> int:
         p = prompts(vocab, 1, args.prompt_len, 0)
         ref = genai_generator(model, p, 8)[1][0]
         direct = direct_loop(backend, p, 8)[1][0]
-        engine = engine_loop(entry, backend, p, 8)[1][0]
-        server_run(base, folder.name, p, 8)
+        engine = engine_loop(entry, backend, [(p[0], 8)], 1)[1][0]
+        server_run(base, folder.name, [(p[0], 8)], 1)
         if other is not None:
-            server_run(other, folder.name, p, 8)
+            server_run(other, folder.name, [(p[0], 8)], 1)
         print(f"greedy tokens agree (og.Generator vs the server's backend): {ref == direct}", flush=True)
         print(f"greedy tokens agree (the server's backend vs its decode loop): {direct == engine}", flush=True)
         for rnd in range(args.rounds):
             for n in counts:
-                batch = prompts(vocab, n, args.prompt_len, 1000 * rnd + n)
+                requests = workload(args.workload, vocab, n, args.prompt_len, args.max_tokens, 1000 * rnd + n)
+                batched = partial(genai_generator if n == 1 else genai_batched, model)
                 ways: dict[str, Callable[[], Run]] = {
-                    "genai": partial(_first, genai_generator if n == 1 else genai_batched, model, batch,
-                                     args.max_tokens),
-                    "server": partial(server_run, base, folder.name, batch, args.max_tokens),
-                    "direct": partial(_first, direct_loop, backend, batch, args.max_tokens),
-                    "engine": partial(_first, engine_loop, entry, backend, batch, args.max_tokens)}
+                    "genai": partial(_first, static_batches, batched, requests, n),
+                    "server": partial(server_run, base, folder.name, requests, n),
+                    "direct": partial(_first, static_batches, partial(direct_loop, backend), requests, n),
+                    "engine": partial(_first, engine_loop, entry, backend, requests, n)}
                 if other is not None:
-                    ways["base"] = partial(server_run, other, folder.name, batch, args.max_tokens)
+                    ways["base"] = partial(server_run, other, folder.name, requests, n)
                 order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
                 got = {k: ways[k]() for k in order}
                 for k, run in got.items():
@@ -442,13 +513,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                      got.items()), flush=True)
     load = os.getloadavg()
     report = {"folder": folder.name, "threads": args.threads, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "rounds": args.rounds, "engine_correct": ok, "engine_check": why,
+              "max_tokens": args.max_tokens, "workload": args.workload, "rounds": args.rounds,
+              "engine_correct": ok, "engine_check": why,
               "genai_batched": "og.Engine" if ok else "og.Generator (batched, equal-length prompts)",
               "load_average": [round(x, 2) for x in load],
               "results": {k: {n: summary(v) for n, v in d.items()} for k, d in results.items()},
               "ratios": {k: {n: statistics.median(v) for n, v in d.items()} for k, d in ratios.items()}}
-    print(f"\n{folder.name}: {args.threads} intra-op threads, prompt {args.prompt_len}, {args.max_tokens} tokens a "
-          f"stream, median of {args.rounds} rounds; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    asked = (f"{args.max_tokens} tokens a stream" if args.workload == "equal" else
+             f"{REQUESTS_PER_STREAM} requests a stream of {max(args.max_tokens // 4, 2)}-{args.max_tokens} tokens")
+    print(f"\n{folder.name}: {args.threads} intra-op threads, {args.workload} workload, prompt {args.prompt_len}, "
+          f"{asked}, median of {args.rounds} rounds; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("| streams | way | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---|---|---|---|---|")
     for n in counts:

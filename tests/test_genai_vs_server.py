@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 from contextlib import redirect_stdout
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_genai_and_the_direct_loop_generate_the_same_tokens(folder: Path) -> Non
     run, theirs = bench.genai_generator(model, batch, 10)
     direct, ours = bench.direct_loop(backend, batch, 10)
     assert theirs == ours and all(len(t) == 10 for t in ours)
-    engine, scheduled = bench.engine_loop(bench.load_entry(folder, 1), backend, batch, 10)
+    engine, scheduled = bench.engine_loop(bench.load_entry(folder, 1), backend, [(p, 10) for p in batch], 4)
     assert scheduled == ours and engine.tokens == 40 and len(engine.ttft) == 4 and len(engine.gaps) == 4 * 9
     assert run.tokens == direct.tokens == 40 and len(run.gaps) == len(direct.gaps) == 4 * 9
     ok, why = bench.engine_is_correct(model, 259, 8)
@@ -43,12 +44,34 @@ def test_genai_and_the_direct_loop_generate_the_same_tokens(folder: Path) -> Non
 
 
 @pytest.mark.slow
-def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path,
+def test_the_varied_workload_asks_each_request_its_own_length(folder: Path) -> None:
+    """Requests of different lengths: static batches (genai, direct) keep each request's own tokens, and the
+    engine's closed loop of 2 streams, admitting each request when its stream sends it, gives the same tokens."""
+    requests = bench.workload("varied", 259, 2, 6, 12, 3)
+    assert len(requests) == 2 * bench.REQUESTS_PER_STREAM and all(3 <= m <= 12 for _, m in requests)
+    assert len({m for _, m in requests}) > 1 and requests == bench.workload("varied", 259, 2, 6, 12, 3)
+    model = bench.genai_model(folder, 1)
+    entry = bench.load_entry(folder, 1)
+    theirs_run, theirs = bench.static_batches(partial(bench.genai_generator, model), requests, 2)
+    direct_run, ours = bench.static_batches(partial(bench.direct_loop, entry.backend), requests, 2)
+    engine_run, scheduled = bench.engine_loop(entry, entry.backend, requests, 2)
+    assert [len(t) for t in theirs] == [m for _, m in requests]
+    assert theirs == ours == scheduled
+    asked = sum(m for _, m in requests)
+    assert theirs_run.tokens == direct_run.tokens == engine_run.tokens == asked
+    assert len(engine_run.ttft) == len(requests) and len(engine_run.gaps) == asked - len(requests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["equal", "varied"])
+def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path, kind: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
     assert bench.main([str(folder), "--threads", "1", "--streams", "1,2", "--rounds", "1", "--prompt-len", "4",
-                       "--max-tokens", "4", "--json", str(out), "--base-tree", str(DEMO_TEXT.parents[2])]) == 0
+                       "--max-tokens", "4", "--json", str(out), "--base-tree", str(DEMO_TEXT.parents[2]),
+                       "--workload", kind]) == 0
     report = json.loads(out.read_text())
+    assert report["workload"] == kind
     assert set(report["ratios"]["server/base"]) == {"1", "2"}
     for way in ("genai", "server", "direct", "engine", "base"):
         for n in ("1", "2"):
