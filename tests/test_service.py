@@ -652,6 +652,47 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
     assert np.asarray(merged[0][0]).shape == (3, 1, 9, 2) and mask2.shape == (3, 4)
 
 
+@pytest.mark.parametrize("layout", [kvcache.LEFT, kvcache.RIGHT])
+def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
+    """Leaving rows are filled by the last rows (row copies) and the cache becomes a view of the buffer's first
+    rows; a newcomer that fits the batch's columns is written into the rows behind, not a copy of the cache."""
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(4, 1, 8, 2)).astype(np.float32)  # 4 rows, buffer of 8 columns (room after the mask's 5)
+    rows = [k[i].copy() for i in range(4)]
+    mask = np.array([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    past, mask2, order = kvcache.remove_rows([(k, k + 1)], mask, [1, 2], layout)  # rows 0 and 3 leave
+    assert order == [2, 1]  # row 2 moved into row 0's place
+    kept = past[0][0]
+    assert kept.shape == (2, 1, 8 if layout == kvcache.RIGHT else 7, 2)
+    if layout == kvcache.RIGHT:  # no column trimmed from the buffer: a view of the same memory
+        assert kept.ctypes.data == k.ctypes.data and np.array_equal(kept[0], rows[2])
+        assert np.array_equal(past[0][1][1], rows[1] + 1)
+    else:  # the first column is padding for rows 1 and 2 now: trimmed
+        assert np.array_equal(kept[0], rows[2][:, 1:]) and np.array_equal(kept[1], rows[1][:, 1:])
+    assert mask2.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    # a newcomer of 2 positions joins: into the buffer's spare rows when the cache is a view with some
+    new = np.full((1, 1, 2, 2), 7.0, np.float32)
+    merged, mask3 = kvcache.merge(past, mask2, [(new, new)], np.ones((1, 2), np.int64), layout)
+    km = merged[0][0]
+    assert km.shape[0] == 3 and mask3.tolist()[2] == [0, 0, 1, 1]
+    if layout == kvcache.RIGHT:
+        assert km.ctypes.data == k.ctypes.data  # written in place
+        assert np.array_equal(km[2, :, :2], new[0]) and not km[2, :, 2:4].any()
+    else:
+        assert np.array_equal(km[2, :, 2:4], new[0]) and not km[2, :, :2].any()
+    assert np.array_equal(km[0], kept[0]) and np.array_equal(km[1], kept[1])
+    # a newcomer longer than the batch's history: every row is padded (the general path), same result as before
+    longer = np.full((1, 1, 6, 2), 3.0, np.float32)
+    merged2, mask4 = kvcache.merge(merged, mask3, [(longer, longer)], np.ones((1, 6), np.int64), layout)
+    assert mask4.shape == (4, 6) and mask4[:3, :2].sum() == 0
+    assert np.array_equal(merged2[0][0][3, :, :6], longer[0])
+    # a torch cache is selected as before (copied, in keep's order)
+    t = torch.from_numpy(k.copy())
+    tpast, tmask, torder = kvcache.remove_rows([(t, t)], mask, [1, 2], layout)
+    assert torder == [1, 2] and tmask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert torch.equal(tpast[0][0][0, :, -4:], torch.from_numpy(rows[1][:, -4:]))
+
+
 def test_text_stream_holds_back_possible_stop_prefixes_and_partial_utf8() -> None:
     stream = TextStream(TOK, [b"END"])
     ids = TOK.encode("ab")

@@ -11,6 +11,13 @@ The cache itself is laid out as the backend's graph reads it (`TextBackend.cache
 Either cache may be longer than the mask: a backend that writes each step's keys in place keeps room at the end
 of its buffers (past and present one buffer); merging pads the shorter buffer at its end, and trimming a
 right-padded cache leaves the buffer as it is (the freed columns become room).
+
+A numpy cache (onnxruntime's buffers) also keeps room for rows: `remove_rows` moves the last rows into the holes
+the leaving ones left and views the first rows of the same buffer, and `merge` writes newcomers into the rows
+behind such a view (growing the buffer to a power of two of rows when there are none), so a sequence joining or
+leaving a running batch copies its own rows, not the whole cache (measured on the paper-size LM with 16 streams:
+8 ms a join and up to 36 ms a leave before). Both write into the buffer they are given: the caller replaces its
+cache by what they return.
 """
 
 from __future__ import annotations
@@ -78,11 +85,75 @@ def map_past(past: Past, fn: Any) -> Past:
     return [(fn(k), fn(v)) for k, v in past]
 
 
+def _row_room(t: np.ndarray) -> np.ndarray | None:
+    """The buffer whose first rows `t` is, where it has rows beyond t's (room left by rows that left), else
+    None."""
+    base = t.base
+    if (isinstance(base, np.ndarray) and base.ndim == t.ndim and base.shape[0] > t.shape[0]
+            and base.shape[1:] == t.shape[1:] and base.dtype == t.dtype and base.flags.c_contiguous
+            and t.flags.c_contiguous and base.ctypes.data == t.ctypes.data):
+        return base
+    return None
+
+
+def _merge_in_room(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
+                   layout: Layout) -> Past | None:
+    """`merge` for numpy caches whose newcomers (b) fit a's columns: b's rows written below a's into a's buffer
+    (rows of room), or into a new buffer of a power of two of rows when it has too few; None where b's history
+    is longer than a's (every row of a needs padding: the general path)."""
+    la, lb = mask_a.shape[1], mask_b.shape[1]
+    if not (past_a and _is_numpy(past_a[0][0]) and _is_numpy(past_b[0][0])) or lb > la \
+            or past_b[0][0].shape[2] > past_a[0][0].shape[2]:
+        return None
+    rows_a, rows = len(mask_a), len(mask_a) + len(mask_b)
+    # a's real columns are [0, la) of its buffer; b's new rows hold theirs at the end (left) or start (right)
+    start = la - lb if layout != RIGHT else 0
+    out: Past = []
+    for pair_a, pair_b in zip(past_a, past_b, strict=True):
+        merged = []
+        for a, b in zip(pair_a, pair_b, strict=True):
+            base = _row_room(a)
+            if base is None or base.shape[0] < rows:
+                base = np.zeros((1 << (rows - 1).bit_length(), *a.shape[1:]), a.dtype)
+                base[:rows_a] = a
+            new = base[rows_a:rows]
+            new[:, :, :la] = 0  # the previous occupant's positions (room beyond la is written before it is read)
+            new[:, :, start:start + lb] = b[:, :, :lb]
+            merged.append(base[:rows])
+        out.append((merged[0], merged[1]))
+    return out
+
+
+def remove_rows(past: Past, mask: np.ndarray, keep: list[int],
+                layout: Layout = LEFT) -> tuple[Past, np.ndarray, list[int]]:
+    """Only the rows `keep` (ascending) stay, and the columns that became padding for all of them are trimmed;
+    returns the cache, its mask and which old row each new row is. A numpy cache keeps its buffer: the last kept
+    rows move into the holes (row copies) and the cache becomes a view of its first rows, whose rows behind stay
+    room for `merge`; any other cache is `select`ed (copied, in `keep`'s order)."""
+    if not (past and _is_numpy(past[0][0]) and past[0][0].flags.writeable) or len(keep) == len(mask):
+        past, mask = select(past, mask, keep, layout)
+        return past, mask, keep
+    n = len(keep)
+    holes = sorted(set(range(n)) - set(keep))  # rows that leave in the part that stays
+    movers = [i for i in keep if i >= n]  # rows that stay in the part that goes
+    order = list(range(n))
+    kept = mask[:n].copy()
+    for hole, mover in zip(holes, movers, strict=True):
+        for k, v in past:
+            k[hole], v[hole] = k[mover], v[mover]
+        kept[hole] = mask[mover]
+        order[hole] = mover
+    return (*trim([(k[:n], v[:n]) for k, v in past], kept, layout), order)
+
+
 def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
           layout: Layout = LEFT) -> tuple[Past, np.ndarray]:
     """Rows of b appended below rows of a, the shorter history padded to the longer (the mask on the left, the
-    cache as its layout says)."""
+    cache as its layout says). A numpy cache may be written in place (module docstring)."""
     la, lb = mask_a.shape[1], mask_b.shape[1]
+    fast = _merge_in_room(past_a, mask_a, past_b, mask_b, layout)
+    if fast is not None:
+        return fast, np.concatenate([mask_a, pad(mask_b, la - lb, 1)], axis=0)
     length = max(la, lb)
     if layout != RIGHT:  # the shorter history padded on the left, as its mask
         past_a = map_past(past_a, lambda t: pad(t, length - la, 2))

@@ -456,15 +456,15 @@ class TextScheduler:
             self._apply(self._handoff.popleft())
 
     def _keep_rows(self, keep: list[int]) -> None:
-        """Only these rows of the batch stay (their cache rows and mask with them; the columns that became padding
-        for all of them trimmed)."""
+        """Only these rows of the batch stay (their cache rows and mask with them, in the order kvcache.remove_rows
+        leaves them; the columns that became padding for all of them trimmed)."""
         if len(keep) == len(self._rows):
             return
-        self._rows = [self._rows[i] for i in keep]
-        if self._rows:
-            self._past, self._mask = kvcache.select(self._past, self._mask, keep, self._layout)
+        if keep:
+            self._past, self._mask, order = kvcache.remove_rows(self._past, self._mask, keep, self._layout)
+            self._rows = [self._rows[i] for i in order]
         else:
-            self._past, self._mask = [], np.zeros((0, 0), np.int64)
+            self._rows, self._past, self._mask = [], [], np.zeros((0, 0), np.int64)
 
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
         self._keep_rows([i for i, r in enumerate(self._rows) if r.live])
