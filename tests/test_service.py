@@ -888,17 +888,21 @@ def test_stop_sequence_and_eos_end_a_sequence() -> None:
     async def main() -> None:
         sched = _scheduler("onnxruntime")
         sched.start()
-        free = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=40, temperature=0.0))
+        free = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=40, temperature=0.0, logprobs=1))
         sched.submit([free])
         await _wait(free)
         text = TOK.decode(free.tokens)
-        stop = text[5:8]
+        stop = text[5:8]  # three tokens, sampled in three steps: the stop removes tokens the loop already has
         cut = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=40, temperature=0.0,
-                                                                   stop=(stop.encode(),)))
+                                                                   stop=(stop.encode(),), logprobs=1))
         sched.submit([cut])
         await _wait(cut)
         await sched.close()
         assert TOK.decode(cut.tokens) == text[: text.index(stop)] and cut.finish_reason == "stop"
+        kept = len(cut.tokens)  # the logprobs stay one a token, and are the free run's own
+        assert len(free.logprobs.chosen) == len(free.tokens) == 40
+        assert cut.logprobs.chosen == free.logprobs.chosen[:kept] and cut.logprobs.top == free.logprobs.top[:kept]
+        assert cut.steps[-1] == kept < max(cut.steps)  # the last step took back tokens an earlier step had
 
     asyncio.run(main())
 

@@ -103,6 +103,7 @@ class _Row:
     cumulative_logprob: float = 0.0
     prompt_logprobs: TokenLogprobs | None = None  # sent with the first update only
     stop_tail: bytes = b""  # text before a matched stop string inside the token that was removed with it
+    reported: int = 0  # len(tokens) as the last update left it: the next update sends what changed after it
 
     @property
     def live(self) -> bool:
@@ -126,14 +127,31 @@ class _Row:
 
 @dataclass
 class _Update:
+    """What one step changed of a row: its tokens from `start` on are `tail` (a step appends; a stop string may
+    also cut tokens the loop already has), and so are its logprobs (`logprobs`, when wanted). Sending the change,
+    not a copy of every token so far, keeps a step's cost flat in the length of the text."""
+
     row: _Row
-    tokens: list[int]
+    start: int
+    tail: list[int]
     generated: int
     finish_reason: str | None
     error: str | None = None
     logprobs: TokenLogprobs | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: TokenLogprobs | None = None
+
+    @classmethod
+    def of(cls, row: _Row, finish_reason: str | None, error: str | None = None,
+           prompt_logprobs: TokenLogprobs | None = None) -> _Update:
+        """The row's change since its last update (worker side)."""
+        start = min(row.reported, len(row.tokens))
+        row.reported = len(row.tokens)
+        lps = None
+        if row.seq.params.wants_logprobs:
+            lps = TokenLogprobs(row.logprobs.chosen[start:], row.logprobs.top[start:])
+        return cls(row, start, row.tokens[start:], row.generated, finish_reason, error, lps, row.cumulative_logprob,
+                   prompt_logprobs)
 
 
 def _as_torch(logits: Any) -> torch.Tensor:
@@ -394,7 +412,10 @@ class TextScheduler:
             if u.prompt_logprobs is not None:
                 seq.prompt_logprobs = u.prompt_logprobs
             if u.logprobs is not None:
-                seq.logprobs, seq.cumulative_logprob = u.logprobs, u.cumulative_logprob
+                seq.logprobs.truncate(u.start)
+                seq.logprobs.chosen += u.logprobs.chosen
+                seq.logprobs.top += u.logprobs.top
+                seq.cumulative_logprob = u.cumulative_logprob
             self.health.succeeded()
             if new > 0:
                 generated += new
@@ -404,8 +425,10 @@ class TextScheduler:
                 else:
                     self._itl.observe(now - (seq.last_token or now))
                 seq.last_token = now
-            seq.tokens, seq.generated = u.tokens, u.generated
-            seq.steps.append(len(u.tokens))
+            del seq.tokens[u.start:]
+            seq.tokens += u.tail
+            seq.generated = u.generated
+            seq.steps.append(len(seq.tokens))
             seq.stop_tail = u.row.stop_tail
             if u.finish_reason is not None:
                 seq.finished = now
@@ -598,7 +621,7 @@ class TextScheduler:
             row = rows[i]
             if row.params.max_tokens == 0:  # echo + logprobs of the prompt alone: the prefill was the work
                 row.finish_reason = "length"
-                updates.append(_Update(row, [], 0, "length", prompt_logprobs=row.prompt_logprobs))
+                updates.append(_Update.of(row, "length", prompt_logprobs=row.prompt_logprobs))
                 row.prompt_logprobs = None
                 continue
             p = row.params
@@ -637,13 +660,11 @@ class TextScheduler:
             if row.finish_reason is None and (row.generated >= p.max_tokens
                                               or len(row.seq.prompt) + row.generated >= self.context_length):
                 row.finish_reason = "length"
-            updates.append(_Update(row, list(row.tokens), row.generated, row.finish_reason,
-                                   logprobs=row.logprobs.copy() if p.wants_logprobs else None,
-                                   cumulative_logprob=row.cumulative_logprob, prompt_logprobs=prompt_lps))
+            updates.append(_Update.of(row, row.finish_reason, prompt_logprobs=prompt_lps))
         return updates
 
     def _failed(self, row: _Row, exc: Exception) -> _Update:
         log.warning("%s: one sequence failed and leaves the batch: %s: %s", self.model, type(exc).__name__, exc)
         row.error = str(exc) if isinstance(exc, NonFiniteLogits | ProcessorFailed) else \
             f"model failed on this sequence: {type(exc).__name__}"
-        return _Update(row, list(row.tokens), row.generated, None, row.error)
+        return _Update.of(row, None, row.error)
