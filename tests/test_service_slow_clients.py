@@ -84,6 +84,33 @@ def test_a_connection_that_sends_headers_in_time_is_served(server: Server) -> No
         assert _read_all(sock).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.parametrize("chunks", [1, 40], ids=["at-once", "in-pieces"])
+def test_headers_over_the_bound_get_431_and_the_connection_closes(server: Server, chunks: int) -> None:
+    """The HTTP parser (httptools) has no bound of its own on a request's headers: the protocol's is 64 KiB."""
+    from service.edge.slowclient import MAX_HEADER_BYTES
+
+    header = b"X-Filler: " + b"a" * (MAX_HEADER_BYTES + 100) + b"\r\n"
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        size = len(request) // chunks + 1
+        try:
+            for i in range(0, len(request), size):
+                sock.sendall(request[i:i + size])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed by the server while the rest was still being sent
+        reply = _read_all(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    # headers under the bound (32 KiB of them) are served, and the server goes on
+    big = {"X-Filler": "a" * (32 * 1024)}
+    assert httpx.get(f"{server.url}/v2/health/live", headers=big).status_code == 200
+    # a body is not a header: 200 kB of JSON sent with its headers reach the endpoint (which judges them)
+    r = httpx.post(f"{server.url}/v2/models/digits_multimax/infer", content=b"[" + b"0," * 100_000 + b"0]",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]
+
+
 def test_a_body_sent_too_slowly_gets_408_json(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v2/models/digits_multimax/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

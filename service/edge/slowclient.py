@@ -24,16 +24,32 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # uvicorn's C parser (httptools), as its http="auto" prefers: h11, pure Python, costs several times more
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol
+except ImportError:  # pragma: no cover - httptools is a dependency; uvicorn's own fallback kept
+    BaseProtocol = H11Protocol  # type: ignore[assignment,misc]
+
 from service.base.errors import error_response
 
 HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # a model's readiness: a probe too
 OVER_LIMIT_IDLE_S = 1.0  # a connection beyond the limit must send its request within this
 
-_BODY = json.dumps({"error": {"message": "request headers not received in time", "type": "timeout", "param": None,
-                              "code": "header_timeout"}}).encode()
-_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY)
+# A request's line and headers may take this many bytes (h11 bounded them at 16 KiB; httptools, the faster parser
+# used here, does not bound them at all): more is answered 431 and the connection closed, before it is buffered.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def _closing_reply(status: bytes, message: str, kind: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_408 = _closing_reply(b"408 Request Timeout", "request headers not received in time", "timeout", "header_timeout")
+_431 = _closing_reply(b"431 Request Header Fields Too Large",
+                      f"the request line and headers are over {MAX_HEADER_BYTES} bytes", "invalid_request_error",
+                      "headers_too_large")
 
 
 def over_limit_app(app: ASGIApp, limit: int) -> ASGIApp:
@@ -49,13 +65,15 @@ def over_limit_app(app: ASGIApp, limit: int) -> ASGIApp:
     return refuse
 
 
-class HeaderTimeoutProtocol(H11Protocol):
+class HeaderTimeoutProtocol(BaseProtocol):
     header_timeout_s = 10.0
     idle_timeout_s = 10.0
     max_connections = 1000
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0  # of the request whose headers are still coming
+        self._header_tail = b""  # its last 3 bytes: the blank line that ends the headers may span two reads
         super().connection_made(transport)
         idle = self.idle_timeout_s
         if len(self.connections) > self.max_connections:
@@ -75,13 +93,30 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        if self._between_requests() and self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        if self._between_requests():
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+                self._header_bytes, self._header_tail = 0, b""
+            if self._headers_too_long(data):
+                return
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before and self._header_timer is not None:  # a request's headers are complete
             self._header_timer.cancel()
             self._header_timer = None
+
+    def _headers_too_long(self, data: bytes) -> bool:
+        """Count the request head's bytes up to the blank line that ends it; over MAX_HEADER_BYTES: 431, closed,
+        and `data` never reaches the parser."""
+        window = self._header_tail + data
+        end = window.find(b"\r\n\r\n")
+        self._header_bytes += end + 4 - len(self._header_tail) if end >= 0 else len(data)
+        self._header_tail = window[-3:]
+        if self._header_bytes <= MAX_HEADER_BYTES or self.transport.is_closing():
+            return False
+        self.transport.write(_431)
+        self.transport.close()
+        return True
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
