@@ -14,10 +14,10 @@ right-padded cache leaves the buffer as it is (the freed columns become room).
 
 A numpy cache (onnxruntime's buffers) also keeps room for rows: `remove_rows` moves the last rows into the holes
 the leaving ones left and views the first rows of the same buffer, and `merge` writes newcomers into the rows
-behind such a view (growing the buffer to a power of two of rows when there are none), so a sequence joining or
-leaving a running batch copies its own rows, not the whole cache (measured on the paper-size LM with 16 streams:
-8 ms a join and up to 36 ms a leave before). Both write into the buffer they are given: the caller replaces its
-cache by what they return.
+behind such a view (a new buffer with a quarter more rows, at least 4, when there are none), so a sequence
+joining or leaving a running batch copies its own rows, not the whole cache (measured on the paper-size LM with
+16 streams: 8 ms a join and up to 36 ms a leave before). Both write into the buffer they are given: the caller
+replaces its cache by what they return.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def _row_room(t: np.ndarray) -> np.ndarray | None:
 def _merge_in_room(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
                    layout: Layout) -> Past | None:
     """`merge` for numpy caches whose newcomers (b) fit a's columns: b's rows written below a's into a's buffer
-    (rows of room), or into a new buffer of a power of two of rows when it has too few; None where b's history
-    is longer than a's (every row of a needs padding: the general path)."""
+    (rows of room), or into a new buffer with a quarter more rows (at least 4) when it has too few; None where
+    b's history is longer than a's (every row of a needs padding: the general path)."""
     la, lb = mask_a.shape[1], mask_b.shape[1]
     if not (past_a and _is_numpy(past_a[0][0]) and _is_numpy(past_b[0][0])) or lb > la \
             or past_b[0][0].shape[2] > past_a[0][0].shape[2]:
@@ -114,7 +114,7 @@ def _merge_in_room(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.nd
         for a, b in zip(pair_a, pair_b, strict=True):
             base = _row_room(a)
             if base is None or base.shape[0] < rows:
-                base = np.zeros((1 << (rows - 1).bit_length(), *a.shape[1:]), a.dtype)
+                base = np.zeros((rows + max(4, rows // 4), *a.shape[1:]), a.dtype)  # room for a few more
                 base[:rows_a] = a
             new = base[rows_a:rows]
             new[:, :, :la] = 0  # the previous occupant's positions (room beyond la is written before it is read)
