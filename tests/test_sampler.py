@@ -158,24 +158,26 @@ def test_the_plain_greedy_path_gives_the_general_paths_tokens_and_errors(dtype: 
     greedy, top_p0 = SamplingParams(8, temperature=0.0), SamplingParams(8, temperature=0.7, top_p=0.0)
     rows = [Row(greedy), Row(top_p0), Row(greedy, banned=(8,)), Row(greedy, banned=(7,)),
             Row(greedy, banned=(7, 3)), Row(top_p0, banned=(0,))]
-    plain = _plain_greedy(logits, rows)
+    plain = _plain_greedy(logits.numpy(), rows)
     assert plain is not None
-    assert plain == _sample(logits, rows, None) == sample(logits, rows)
+    assert plain == _sample(logits, rows, None) == sample(logits, rows) == sample(logits.numpy(), rows)
     masked = logits[3].clone()
     masked[7] = float("-inf")
     assert plain[0][2:5] == [7, int(masked.argmax()), 9]  # the best allowed; of equal maxima the first allowed
     bad = logits.clone()
     bad[1, 4] = float("-inf")
-    assert _plain_greedy(bad, rows) is None
+    assert _plain_greedy(bad.numpy(), rows) is None
+    assert sample(bad.numpy(), rows)[0] == sample(bad, rows)[0]  # an onnxruntime step's array: the same answer
     tokens, errors = sample(bad, rows)
     assert isinstance(errors[1], NonFiniteLogits) and errors[:1] + errors[2:] == [None] * 5
     assert tokens[:1] + tokens[2:] == plain[0][:1] + plain[0][2:]
     everything = [Row(greedy), Row(greedy, banned=tuple(range(50)))]
-    assert _plain_greedy(logits[:2], everything) is None
+    assert _plain_greedy(logits[:2].numpy(), everything) is None
     errors = sample(logits[:2], everything)[1]
     assert errors[0] is None and isinstance(errors[1], ProcessorFailed)
     sampling = [Row(greedy), Row(SamplingParams(8, temperature=0.7))]
-    assert _plain_greedy(logits[:2], sampling) is None
+    assert _plain_greedy(logits[:2].numpy(), sampling) is None
+    assert _plain_greedy(None, rows) is None  # logits not on the host as float32/64 (fp16, a GPU tensor)
 
 
 def test_greedy_is_the_exact_argmax_and_sampling_rows_leave_it_alone() -> None:

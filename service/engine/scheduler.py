@@ -160,6 +160,14 @@ def _as_torch(logits: Any) -> torch.Tensor:
     return logits.float().cpu()
 
 
+def _for_sampler(logits: Any) -> torch.Tensor | np.ndarray:
+    """A step's last logits (B, V) as the sampler takes them: an onnxruntime step's float32 array as it is (the
+    sampler's common path is numpy: no tensor made and read back), anything else as a CPU tensor."""
+    if isinstance(logits, np.ndarray) and logits.dtype in (np.float32, np.float64):
+        return logits
+    return _as_torch(logits)
+
+
 class TextScheduler:
     def __init__(
         self,
@@ -606,13 +614,13 @@ class TextScheduler:
         mask = np.concatenate([self._mask, np.ones((len(self._rows), 1), np.int64)], axis=1)
         logits, self._past = self.backend.run_text(ids, mask, positions, self._past)
         self._mask = mask
-        updates = self._sample(self._rows, _as_torch(logits[:, -1]))
+        updates = self._sample(self._rows, _for_sampler(logits[:, -1]))
         self.steps["decode"] += 1
         self._decode_time.observe(time.perf_counter() - start)
         self._decode_batch.observe(len(self._rows))
         return updates
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[_Update]:
+    def _sample(self, rows: list[_Row], logits: torch.Tensor | np.ndarray) -> list[_Update]:
         tok = self.tokenizer
         live = [i for i, row in enumerate(rows) if row.live]
         updates = []
@@ -641,7 +649,7 @@ class TextScheduler:
             row.last = token
             row.generated += 1
             if p.wants_logprobs:
-                chosen, top = token_logprobs(logits[i], token, p.logprobs or 0, self.output_function)
+                chosen, top = token_logprobs(_as_torch(logits[i]), token, p.logprobs or 0, self.output_function)
                 row.cumulative_logprob += chosen
             if token in self.eos_ids:
                 row.finish_reason = "stop"
