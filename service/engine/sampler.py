@@ -368,8 +368,9 @@ class TokenLogprobs:
     chosen: list[float | None] = field(default_factory=list)
     top: list[TopLogprobs | None] = field(default_factory=list)
 
-    def copy(self) -> TokenLogprobs:
-        return TokenLogprobs(list(self.chosen), list(self.top))
+    def since(self, start: int) -> TokenLogprobs:
+        """The entries from position `start` on (a copy)."""
+        return TokenLogprobs(self.chosen[start:], self.top[start:])
 
     def truncate(self, n: int) -> None:
         del self.chosen[n:], self.top[n:]

@@ -147,9 +147,7 @@ class _Update:
         """The row's change since its last update (worker side)."""
         start = min(row.reported, len(row.tokens))
         row.reported = len(row.tokens)
-        lps = None
-        if row.seq.params.wants_logprobs:
-            lps = TokenLogprobs(row.logprobs.chosen[start:], row.logprobs.top[start:])
+        lps = row.logprobs.since(start) if row.seq.params.wants_logprobs else None
         return cls(row, start, row.tokens[start:], row.generated, finish_reason, error, lps, row.cumulative_logprob,
                    prompt_logprobs)
 
