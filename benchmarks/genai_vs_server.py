@@ -85,13 +85,18 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(low, high, length).tolist() for _ in range(n)]
 
 
+def shortest(max_tokens: int) -> int:
+    """The fewest tokens a request of the varied workload asks for."""
+    return max(max_tokens // 4, 2)
+
+
 def workload(kind: str, vocab: int, streams: int, prompt_len: int, max_tokens: int, seed: int) -> list[Request]:
     """The requests of one round (module docstring): `equal`, one a stream of max_tokens each; `varied`,
     REQUESTS_PER_STREAM a stream, each asking for a seeded number of tokens in [max_tokens / 4, max_tokens]."""
     if kind == "equal":
         return [(p, max_tokens) for p in prompts(vocab, streams, prompt_len, seed)]
     count = REQUESTS_PER_STREAM * streams
-    asked = np.random.default_rng(seed + 1).integers(max(max_tokens // 4, 2), max_tokens + 1, count).tolist()
+    asked = np.random.default_rng(seed + 1).integers(shortest(max_tokens), max_tokens + 1, count).tolist()
     return list(zip(prompts(vocab, count, prompt_len, seed), asked, strict=True))
 
 
@@ -112,6 +117,11 @@ def static_batches(fn: Callable[[list[list[int]], list[int]], tuple[Run, list[li
         out += tokens
     run.wall = time.perf_counter() - start
     return run, out
+
+
+def _per_row(asked: list[int] | int, rows: int) -> list[int]:
+    """Tokens asked for by each row of a batch: a list as it is, one number for every row."""
+    return [asked] * rows if isinstance(asked, int) else asked
 
 
 def _rows_run(start: float, times: list[float], asked: list[int]) -> Run:
@@ -138,7 +148,7 @@ def genai_generator(model: Any, batch: list[list[int]], asked: list[int] | int) 
     counts) the tokens it asked for."""
     import onnxruntime_genai as og
 
-    asked = [asked] * len(batch) if isinstance(asked, int) else asked
+    asked = _per_row(asked, len(batch))
     length, steps = len(batch[0]), max(asked)
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, batch_size=len(batch), max_length=length + steps,
@@ -158,7 +168,7 @@ def genai_engine(model: Any, batch: list[list[int]], asked: list[int] | int) -> 
     """`og.Engine` (onnxruntime-genai's continuous batching) with one request per prompt, greedy."""
     import onnxruntime_genai as og
 
-    asked = [asked] * len(batch) if isinstance(asked, int) else asked
+    asked = _per_row(asked, len(batch))
     engine = og.Engine(model)
     start = time.perf_counter()
     requests = []
@@ -233,7 +243,7 @@ def direct_backend(folder: Path, threads: int) -> Any:
 def direct_loop(backend: Any, batch: list[list[int]], asked: list[int] | int) -> tuple[Run, list[list[int]]]:
     """Prefill the batch in one call, then one batched decode call a token, greedy (argmax), until the row that
     asked for most tokens has them; each row keeps (and counts) the tokens it asked for."""
-    asked = [asked] * len(batch) if isinstance(asked, int) else asked
+    asked = _per_row(asked, len(batch))
     ids = np.asarray(batch, dtype=np.int64)
     b, length = ids.shape
     steps = max(asked)
@@ -520,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
               "results": {k: {n: summary(v) for n, v in d.items()} for k, d in results.items()},
               "ratios": {k: {n: statistics.median(v) for n, v in d.items()} for k, d in ratios.items()}}
     asked = (f"{args.max_tokens} tokens a stream" if args.workload == "equal" else
-             f"{REQUESTS_PER_STREAM} requests a stream of {max(args.max_tokens // 4, 2)}-{args.max_tokens} tokens")
+             f"{REQUESTS_PER_STREAM} requests a stream of {shortest(args.max_tokens)}-{args.max_tokens} tokens")
     print(f"\n{folder.name}: {args.threads} intra-op threads, {args.workload} workload, prompt {args.prompt_len}, "
           f"{asked}, median of {args.rounds} rounds; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("| streams | way | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")

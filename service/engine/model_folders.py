@@ -165,7 +165,7 @@ class GenaiTextBackend(TextBackend):
         missing = [n for pair in self.past_names for n in pair if n not in inputs]
         if missing:
             raise BackendUnavailable(f"{path.name}: model.onnx has no input {missing[0]} that {GENAI_CONFIG} names")
-        self.past_dtype = np.float16 if inputs[self.past_names[0][0]].type == "tensor(float16)" else np.float32
+        self.past_dtype = _NUMPY_TYPES.get(inputs[self.past_names[0][0]].type, np.float32)
         logits_out = next((o for o in self.session.get_outputs() if o.name == self.logits_name), None)
         width = logits_out.shape[-1] if logits_out is not None and logits_out.shape else None
         # a static vocabulary width lets decode steps write their logits into a buffer of ours (none: onnxruntime

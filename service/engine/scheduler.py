@@ -159,11 +159,9 @@ def _as_torch(logits: Any) -> torch.Tensor:
 
 
 def _for_sampler(logits: Any) -> torch.Tensor | np.ndarray:
-    """A step's last logits (B, V) as the sampler takes them: an onnxruntime step's float32 array as it is (the
-    sampler's common path is numpy: no tensor made and read back), anything else as a CPU tensor."""
-    if isinstance(logits, np.ndarray) and logits.dtype in (np.float32, np.float64):
-        return logits
-    return _as_torch(logits)
+    """A step's last logits (B, V) as the sampler takes them: an onnxruntime step's array as it is (the sampler's
+    common path is numpy: no tensor made and read back; it makes one where it needs it), a tensor on the CPU."""
+    return logits if isinstance(logits, np.ndarray) else _as_torch(logits)
 
 
 class TextScheduler:
