@@ -251,6 +251,7 @@ def direct_loop(backend: Any, batch: list[list[int]], asked: list[int] | int) ->
     mask = np.ones((b, length), dtype=np.int64)
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), (b, length))
     logits, past = backend.run_text(ids, mask, positions, backend.empty_past(b))
+    backend.reserve(length + steps)  # as the server's decode loop tells it (and onnxruntime-genai's max_length)
     out: list[list[int]] = [[] for _ in range(b)]
     times = []
     for step in range(steps):

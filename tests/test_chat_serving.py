@@ -345,6 +345,9 @@ class Steered:
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)
 
+    def reserve(self, positions: int) -> None:
+        self.inner.reserve(positions)
+
     def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any) -> Any:
         logits, presents = self.inner.run_text(ids, mask, positions, past)
         logits = logits.clone()
@@ -614,3 +617,44 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     elif ort_ops.library().available:  # the fused MultiMaxAttention wrote its present into the past's buffer
         runs, in_place_runs = (a - b for a, b in zip(ort_ops.run_counts(), runs_before, strict=True))
         assert runs > 0 and in_place_runs >= runs // 2, (runs, in_place_runs)
+
+
+@pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax-attention"])
+def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path: Path, multimax: str) -> None:
+    """A decode step without room grows the cache buffers to what the decode loop said the rows may reach
+    (`reserve`, at most the context), so 100 steps copy the cache once; without the hint the buffers double (64,
+    then 128 positions: two copies). The tokens are the same either way."""
+    from export.genai_folder import write_folder
+    from models.checkpoint import load
+    from models.cli import main as models_main
+    from service.engine.model_folders import GenaiTextBackend
+
+    assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
+    model, ckpt, _ = load(tmp_path / "m.pt")
+    folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=multimax != "none")
+    backend = GenaiTextBackend(folder, json.loads((folder / "genai_config.json").read_text())["model"]["decoder"],
+                               Settings(intra_op_threads=1), context=128)
+    prompt = [5, 9, 77, 3]
+
+    def decode(reserve: int | None, steps: int) -> tuple[list[int], list[int]]:
+        ids = np.array([prompt], np.int64)
+        mask = np.ones_like(ids)
+        logits, past = backend.run_text(ids, mask, np.arange(len(prompt))[None], backend.empty_past(1))
+        if reserve is not None:
+            backend.reserve(reserve)
+        tokens, widths = [int(logits[0, -1].argmax())], []
+        for _ in range(steps):
+            positions = mask.sum(axis=1, keepdims=True)
+            mask = np.ones((1, mask.shape[1] + 1), np.int64)
+            logits, past = backend.run_text(np.array([[tokens[-1]]], np.int64), mask, positions, past)
+            if not widths or past[0][0].shape[2] != widths[-1]:
+                widths.append(past[0][0].shape[2])
+            tokens.append(int(logits[0, -1].argmax()))
+        return tokens, widths
+
+    doubled, widths = decode(0, 100)
+    assert widths == [64, 128]
+    reserved, widths = decode(len(prompt) + 100, 100)
+    assert widths == [104] and reserved == doubled
+    _, widths = decode(10_000, 10)
+    assert widths == [128]  # never past the context

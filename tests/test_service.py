@@ -807,6 +807,34 @@ def test_an_idle_model_prefills_a_burst_of_arrivals_together(service_text_model:
         assert seq.tokens == generate(service_text_model, TOK.encode(prompt), 6, temperature=0.0)[0], prompt
 
 
+def test_the_scheduler_tells_the_backend_how_far_its_cache_may_grow() -> None:
+    """After each prefill the backend hears the batch's width plus the most tokens a running row may still
+    generate (its max_tokens, capped by the context): what it sizes a growing cache buffer to."""
+    sched = _scheduler("onnxruntime")
+    heard: list[int] = []
+    sched.backend.reserve = heard.append  # type: ignore[method-assign]
+
+    async def main() -> None:
+        sched.start()
+        first = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=30, temperature=0.0))
+        sched.submit([first])
+        await _wait(first, 5)
+        short = GenSequence(TOK.encode("If the file is"), SamplingParams(max_tokens=3, temperature=0.0))
+        sched.submit([short])
+        await _wait(short)
+        long = GenSequence(TOK.encode("A"), SamplingParams(max_tokens=500, temperature=0.0))
+        sched.submit([long])
+        for seq in (first, long):
+            await _wait(seq)
+        await sched.close()
+
+    asyncio.run(main())
+    assert len(heard) == 3
+    assert heard[0] == len(TOK.encode("Return the")) + 30 - 1  # the prompt, and 29 tokens after the first
+    assert heard[1] >= heard[0]  # the first row may still need its room: the newcomer asks less
+    assert heard[2] == 128  # 500 tokens would pass the context
+
+
 def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:
     async def main() -> None:
         sched = _scheduler("onnxruntime", max_running=1)

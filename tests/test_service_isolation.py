@@ -40,6 +40,9 @@ class FaultyText:
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)
 
+    def reserve(self, positions: int) -> None:
+        self.inner.reserve(positions)
+
     def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any) -> Any:
         self.calls.append(len(ids))
         if ((ids == POISON) & (mask[:, -ids.shape[1]:] == 1)).any():

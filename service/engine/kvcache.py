@@ -62,9 +62,12 @@ def pad(x: Any, n: int, axis: int, at_end: bool = False) -> Any:
         return x
     shape = list(x.shape)
     shape[axis] = n
-    if _is_numpy(x):
-        zeros = np.zeros(shape, x.dtype)
-        return np.concatenate([x, zeros] if at_end else [zeros, x], axis=axis)
+    if _is_numpy(x):  # zeros, then x copied in: the room never written stays untouched (lazily zeroed) memory
+        out = np.zeros([*x.shape[:axis], x.shape[axis] + n, *x.shape[axis + 1:]], x.dtype)
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(0, x.shape[axis]) if at_end else slice(n, None)
+        out[tuple(index)] = x
+        return out
     import torch
 
     zeros_t = x.new_zeros(shape)

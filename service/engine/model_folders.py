@@ -124,6 +124,7 @@ class GenaiTextBackend(TextBackend):
         self._bound: tuple[Any, ...] = ()
         self._returned: Past | None = None  # the past the last decode step returned (its buffers are bound)
         self._logits: np.ndarray | None = None  # the decode step's logits buffer, bound with the cache buffers
+        self._reserved = 0  # positions the running rows may reach (reserve): a buffer that grows is sized to them
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -195,10 +196,12 @@ class GenaiTextBackend(TextBackend):
         onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's own
         position (right-padded rows), MultiMaxAttention at the common one (left-padded rows; its fused kernel in
         place, its function body by copies), and nothing else is copied. A buffer without room for this step
-        grows to twice what it must hold (at most the context), so that copy happens once per doubling."""
+        grows to what the running rows may reach (`reserve`), or to twice what it must hold where that is more
+        (at most the context): one copy for a batch's whole generation, where doubling copied at 64, 128, ...
+        positions (two whole-cache copies of 16 ms each for 64 tokens on the paper-size LM at 16 rows)."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            size = room(total, self.context)
+            size = max(room(total, self.context), min(self._reserved, self.context or self._reserved))
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The
@@ -234,6 +237,9 @@ class GenaiTextBackend(TextBackend):
         if self._logits is not None:  # valid until the next decode step writes into the same buffer
             return self._logits, past
         return binding.get_outputs()[0].numpy(), past
+
+    def reserve(self, positions: int) -> None:
+        self._reserved = positions
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: Past) -> tuple[np.ndarray, Past]:

@@ -581,12 +581,20 @@ class TextScheduler:
         else:
             self._past, self._mask = presents, mask
         self._rows.extend(rows)
+        self._reserve()
         self.steps["prefill"] += 1
         self.steps["prefill_prompts"] += len(unique)
         self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
         self.metrics.batch_size.labels(self.model, "prefill").observe(len(unique))
         self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in unique))
         return updates
+
+    def _reserve(self) -> None:
+        """Tell the backend how far the batch's cache may grow: its width now plus the most tokens a row may
+        still generate (its max_tokens, the context), so a buffer that grows is sized once for the batch."""
+        ahead = max((min(r.params.max_tokens - r.generated, self.context_length - len(r.seq.prompt) - r.generated)
+                     for r in self._rows if r.live), default=0)
+        self.backend.reserve(min(self._mask.shape[1] + max(ahead, 0), self.context_length))
 
     def _prompt_logprobs(self, seq: GenSequence, logits: Any) -> TokenLogprobs:
         """Logprobs of the prompt's tokens from the prefill's logits (T, V) of its (left-padded) row: the first

@@ -71,6 +71,12 @@ class TextBackend(Backend):
     def empty_past(self, batch: int) -> Past:
         """A cache of length 0 for `batch` rows, in the backend's array type."""
 
+    def reserve(self, positions: int) -> None:
+        """The decode loop's hint: the running rows may reach `positions` cache positions (their prompts and the
+        tokens they may still ask for). A backend whose cache buffers grow sizes its next growth to it, so a batch
+        copies its cache once instead of at every doubling (onnxruntime-genai sizes its buffers to max_length up
+        front)."""
+
     def to_numpy(self, logits: Any) -> np.ndarray:
         """Logits in the backend's array type -> float32 numpy (what the protocols see)."""
         return np.asarray(logits, dtype=np.float32)
@@ -83,10 +89,12 @@ class TextBackend(Backend):
 
 
 class TextModel(Protocol):
-    """What the decode loop calls: a `TextBackend`, or anything with its two methods (test doubles)."""
+    """What the decode loop calls: a `TextBackend`, or anything with its methods (test doubles)."""
 
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
     ) -> tuple[Any, Past]: ...
 
     def empty_past(self, batch: int) -> Past: ...
+
+    def reserve(self, positions: int) -> None: ...
