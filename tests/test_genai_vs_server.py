@@ -92,3 +92,17 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (tmp_path / "genai_config.json").write_text("{}")
     assert bench.main([str(tmp_path), "--base-tree", str(tmp_path)]) == 2
     assert "is not a source tree of this project" in capsys.readouterr().err
+
+
+def test_cache_reserve_compares_the_decode_loop_with_and_without_the_hint(
+        folder: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """benchmarks.cache_reserve: both ways run every round and report; bad input exits 2 with one line."""
+    from benchmarks import cache_reserve
+
+    out = cache_reserve.compare(folder, 2, 70, 2, 1, prompt_len=8)
+    assert len(out["on"]) == len(out["off"]) == 2 and min(out["on"] + out["off"]) > 0
+    assert cache_reserve.main([str(folder), "--streams", "2", "--max-tokens", "10", "--rounds", "1"]) == 0
+    assert "on / off" in capsys.readouterr().out
+    assert cache_reserve.main([str(tmp_path)]) == 2
+    assert "not an onnxruntime-genai folder" in capsys.readouterr().err
+    assert cache_reserve.main([str(folder), "--rounds", "0"]) == 2
