@@ -658,3 +658,39 @@ def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path:
     assert widths == [104] and reserved == doubled
     _, widths = decode(10_000, 10)
     assert widths == [128]  # never past the context
+
+
+def test_hf_folder_backend_grows_its_cache_once_to_what_the_rows_may_reach() -> None:
+    """The PyTorch backend of a Hugging Face folder (the demo LLM) takes the same hint: a decode step without room
+    gets buffers for what the rows may reach, and models.cache_growth writes every later step in place; without
+    the hint the cache doubles (130, then 256 positions). The tokens are the same either way."""
+    from models.cache_growth import capacity
+    from service.engine.model_folders import load_hf_folder
+
+    backend = load_hf_folder("llama_seglu", DEMO_DIR / "llama_seglu", Settings(intra_op_threads=1)).backend
+    assert backend.grows_in_place and backend.context == 256
+    prompt = [5, 9, 77, 3]
+
+    def decode(reserve: int, steps: int) -> tuple[list[int], list[int]]:
+        ids = np.array([prompt], np.int64)
+        mask = np.ones_like(ids)
+        logits, past = backend.run_text(ids, mask, np.arange(len(prompt))[None], backend.empty_past(1))
+        backend.reserve(reserve)
+        tokens, buffers = [int(logits[0, -1].argmax())], []
+        for _ in range(steps):
+            positions = mask.sum(axis=1, keepdims=True)
+            mask = np.ones((1, mask.shape[1] + 1), np.int64)
+            logits, past = backend.run_text(np.array([[tokens[-1]]], np.int64), mask, positions, past)
+            key = past[0][0]
+            if not buffers or key.untyped_storage().data_ptr() != buffers[-1][0]:
+                buffers.append((key.untyped_storage().data_ptr(), capacity(key)))
+            tokens.append(int(logits[0, -1].argmax()))
+        return tokens, [cap for _, cap in buffers]
+
+    # the prefill's own buffer has room for 64 positions (models.cache_growth); then twice what a step must hold
+    doubled, capacities = decode(0, 250)
+    assert capacities == [64, 130, 256]
+    reserved, capacities = decode(len(prompt) + 250, 250)
+    assert capacities == [64, 254] and reserved == doubled
+    _, capacities = decode(10_000, 100)
+    assert capacities == [64, 256]  # never past the context

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from models import registry as architectures
+from models.cache_growth import capacity
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
 from models.generate import keeps_last_logits
+from models.llama import Llama
 from models.loading import CheckpointError, check_keys
 from models.registry import TextModel
 from models.spec import TEXT, VisionSpec
@@ -114,6 +116,30 @@ class TorchTextBackend(_TorchBackend, TextBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keeps_last_logits = keeps_last_logits(self.model)
+        # The Llama family grows its cache in place where the past has room (models.cache_growth.extend); the
+        # others concatenate, and room would be copied for nothing.
+        self.grows_in_place = isinstance(self.model, Llama)
+        self.context = int(getattr(getattr(self.model, "config", None), "block_size", 0) or 0)  # 0: unknown
+        self._reserved = 0  # positions the running rows may reach (reserve)
+
+    def reserve(self, positions: int) -> None:
+        self._reserved = positions
+
+    def _with_room(self, past: Past, total: int) -> Past:
+        """A decode step's past, where it has no room for the step's `total` positions: views of buffers sized
+        to what the rows may reach (`reserve`, at most the context), so that models.cache_growth.extend writes
+        this step and the next ones in place instead of doubling (64, 128, ... positions: one whole-cache copy
+        each). Without a hint beyond `total`, extend's doubling as before."""
+        if not past or self._reserved <= total or capacity(past[0][0]) >= total:
+            return past
+        size = min(self._reserved, self.context) if self.context else self._reserved
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            buffer = t.new_zeros((*t.shape[:2], size, t.shape[3]))
+            buffer[:, :, :t.shape[2]] = t
+            return buffer[:, :, :t.shape[2]]
+
+        return [(grown(k), grown(v)) for k, v in past]
 
     def _warm_up(self) -> None:
         for batch, length in ((1, 3), (2, 5)):
@@ -132,6 +158,8 @@ class TorchTextBackend(_TorchBackend, TextBackend):
             return torch.from_numpy(a).to(self.device)
 
         keep = {"logits_to_keep": 1} if last_only and self.keeps_last_logits else {}
+        if self.grows_in_place and input_ids.shape[1] == 1:
+            past = self._with_room(past, attention_mask.shape[1])
         logits, presents = self.forward(dev(input_ids), dev(position_ids), dev(attention_mask), list(past), **keep)
         return logits.float(), list(presents)
 
