@@ -619,6 +619,26 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
         assert runs > 0 and in_place_runs >= runs // 2, (runs, in_place_runs)
 
 
+def _greedy_alone(backend: Any, prompt: list[int], reserve: int, steps: int,
+                  buffer_of: Any) -> tuple[list[int], list[int]]:
+    """`prompt` prefilled alone, the backend told `reserve`, then `steps` greedy decode steps: the tokens, and the
+    positions of each distinct cache buffer the steps used (buffer_of(key) -> (its address, its positions))."""
+    ids = np.array([prompt], np.int64)
+    mask = np.ones_like(ids)
+    logits, past = backend.run_text(ids, mask, np.arange(len(prompt))[None], backend.empty_past(1))
+    backend.reserve(reserve)
+    tokens, buffers = [int(logits[0, -1].argmax())], []
+    for _ in range(steps):
+        positions = mask.sum(axis=1, keepdims=True)
+        mask = np.ones((1, mask.shape[1] + 1), np.int64)
+        logits, past = backend.run_text(np.array([[tokens[-1]]], np.int64), mask, positions, past)
+        where = buffer_of(past[0][0])
+        if not buffers or where[0] != buffers[-1][0]:
+            buffers.append(where)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens, [size for _, size in buffers]
+
+
 @pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax-attention"])
 def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path: Path, multimax: str) -> None:
     """A decode step without room grows the cache buffers to what the decode loop said the rows may reach
@@ -636,21 +656,8 @@ def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path:
                                Settings(intra_op_threads=1), context=128)
     prompt = [5, 9, 77, 3]
 
-    def decode(reserve: int | None, steps: int) -> tuple[list[int], list[int]]:
-        ids = np.array([prompt], np.int64)
-        mask = np.ones_like(ids)
-        logits, past = backend.run_text(ids, mask, np.arange(len(prompt))[None], backend.empty_past(1))
-        if reserve is not None:
-            backend.reserve(reserve)
-        tokens, widths = [int(logits[0, -1].argmax())], []
-        for _ in range(steps):
-            positions = mask.sum(axis=1, keepdims=True)
-            mask = np.ones((1, mask.shape[1] + 1), np.int64)
-            logits, past = backend.run_text(np.array([[tokens[-1]]], np.int64), mask, positions, past)
-            if not widths or past[0][0].shape[2] != widths[-1]:
-                widths.append(past[0][0].shape[2])
-            tokens.append(int(logits[0, -1].argmax()))
-        return tokens, widths
+    def decode(reserve: int, steps: int) -> tuple[list[int], list[int]]:
+        return _greedy_alone(backend, prompt, reserve, steps, lambda key: (key.ctypes.data, key.shape[2]))
 
     doubled, widths = decode(0, 100)
     assert widths == [64, 128]
@@ -672,20 +679,8 @@ def test_hf_folder_backend_grows_its_cache_once_to_what_the_rows_may_reach() -> 
     prompt = [5, 9, 77, 3]
 
     def decode(reserve: int, steps: int) -> tuple[list[int], list[int]]:
-        ids = np.array([prompt], np.int64)
-        mask = np.ones_like(ids)
-        logits, past = backend.run_text(ids, mask, np.arange(len(prompt))[None], backend.empty_past(1))
-        backend.reserve(reserve)
-        tokens, buffers = [int(logits[0, -1].argmax())], []
-        for _ in range(steps):
-            positions = mask.sum(axis=1, keepdims=True)
-            mask = np.ones((1, mask.shape[1] + 1), np.int64)
-            logits, past = backend.run_text(np.array([[tokens[-1]]], np.int64), mask, positions, past)
-            key = past[0][0]
-            if not buffers or key.untyped_storage().data_ptr() != buffers[-1][0]:
-                buffers.append((key.untyped_storage().data_ptr(), capacity(key)))
-            tokens.append(int(logits[0, -1].argmax()))
-        return tokens, [cap for _, cap in buffers]
+        return _greedy_alone(backend, prompt, reserve, steps,
+                             lambda key: (key.untyped_storage().data_ptr(), capacity(key)))
 
     # the prefill's own buffer has room for 64 positions (models.cache_growth); then twice what a step must hold
     doubled, capacities = decode(0, 250)
