@@ -642,8 +642,9 @@ def _greedy_alone(backend: Any, prompt: list[int], reserve: int, steps: int,
 @pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax-attention"])
 def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path: Path, multimax: str) -> None:
     """A decode step without room grows the cache buffers to what the decode loop said the rows may reach
-    (`reserve`, at most the context), so 100 steps copy the cache once; without the hint the buffers double (64,
-    then 128 positions: two copies). The tokens are the same either way."""
+    (`reserve`, at most the context and four times what the step must hold), so 80 steps after a 40-token prompt
+    copy the cache once; without the hint the buffers double (82, then 128 positions: two copies). The tokens
+    are the same either way."""
     from export.genai_folder import write_folder
     from models.checkpoint import load
     from models.cli import main as models_main
@@ -654,17 +655,19 @@ def test_genai_backend_grows_its_cache_once_to_what_the_rows_may_reach(tmp_path:
     folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=multimax != "none")
     backend = GenaiTextBackend(folder, json.loads((folder / "genai_config.json").read_text())["model"]["decoder"],
                                Settings(intra_op_threads=1), context=128)
-    prompt = [5, 9, 77, 3]
+    prompt = list(range(5, 45))
 
-    def decode(reserve: int, steps: int) -> tuple[list[int], list[int]]:
+    def decode(reserve: int, steps: int, prompt: list[int] = prompt) -> tuple[list[int], list[int]]:
         return _greedy_alone(backend, prompt, reserve, steps, lambda key: (key.ctypes.data, key.shape[2]))
 
-    doubled, widths = decode(0, 100)
-    assert widths == [64, 128]
-    reserved, widths = decode(len(prompt) + 100, 100)
-    assert widths == [104] and reserved == doubled
+    doubled, widths = decode(0, 80)
+    assert widths == [82, 128]  # twice what the first step must hold, then the context
+    reserved, widths = decode(len(prompt) + 80, 80)
+    assert widths == [120] and reserved == doubled
     _, widths = decode(10_000, 10)
     assert widths == [128]  # never past the context
+    _, widths = decode(10_000, 10, [5, 9, 77, 3])
+    assert widths == [64]  # nor more than four times what the step must hold (a chat that may reach the context)
 
 
 def test_hf_folder_backend_grows_its_cache_once_to_what_the_rows_may_reach() -> None:

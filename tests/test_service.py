@@ -652,6 +652,16 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
     assert np.asarray(merged[0][0]).shape == (3, 1, 9, 2) and mask2.shape == (3, 4)
 
 
+def test_a_full_cache_grows_to_the_hint_within_its_bounds() -> None:
+    grown = kvcache.grown_length
+    assert grown(33, 96, 1024) == 96  # 32-token prompts asking 64 tokens: one buffer for all of it
+    assert grown(33, 0, 1024) == 66 and grown(33, 33, 1024) == 66  # no hint beyond the step: doubling
+    assert grown(33, 1000, 1024) == 132  # at most four times what the step must hold
+    assert grown(5, 1000, 1024) == 64  # ... or the smallest buffer doubling gives
+    assert grown(300, 5000, 1024) == 1024 and grown(300, 5000, 0) == 1200  # never past the context (0: unknown)
+    assert grown(40, 50, 1024) == 50  # no more than the rows may reach
+
+
 @pytest.mark.parametrize("layout", [kvcache.LEFT, kvcache.RIGHT])
 def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     """Leaving rows are filled by the last rows (row copies) and the cache becomes a view of the buffer's first

@@ -18,7 +18,6 @@ import onnxruntime as ort
 import torch
 
 from models import registry as architectures
-from models.cache_growth import room
 from models.checkpoint import Checkpoint
 from models.hf_tokenizer import HFTokenizer
 from models.loading import CheckpointError
@@ -196,14 +195,12 @@ class GenaiTextBackend(TextBackend):
         onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's own
         position (right-padded rows), MultiMaxAttention at the common one (left-padded rows; its fused kernel in
         place, its function body by copies), and nothing else is copied. A buffer without room for this step
-        grows to what the running rows may reach (`reserve`, at most the context): one copy for a batch's whole
-        generation, where doubling to twice what it must hold copied at 64, 128, ... positions (two whole-cache
-        copies of 16 ms each for 64 tokens on the paper-size LM at 16 rows); without a hint beyond this step,
-        doubling still."""
+        grows to what the running rows may reach (`reserve`; kvcache.grown_length): one copy for a batch's
+        whole generation, where doubling to twice what it must hold copied at 64, 128, ... positions (two
+        whole-cache copies of 16 ms each for 64 tokens on the paper-size LM at 16 rows)."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            size = (min(self._reserved, self.context or self._reserved) if self._reserved > total
-                    else room(total, self.context))
+            size = kvcache.grown_length(total, self._reserved, self.context)
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The

@@ -23,6 +23,7 @@ from models.registry import TextModel
 from models.spec import TEXT, VisionSpec
 from plugins.cpu_sigma import use_cpu_sigma
 from plugins.torch_op import use_fused_kernels
+from service.engine import kvcache
 from service.engine.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
 from service.engine.backends.probe import torch_cuda_available
 
@@ -127,15 +128,16 @@ class TorchTextBackend(_TorchBackend, TextBackend):
 
     def _with_room(self, past: Past, total: int) -> Past:
         """A decode step's past, where it has no room for the step's `total` positions: views of buffers sized
-        to what the rows may reach (`reserve`, at most the context), so that models.cache_growth.extend writes
+        to what the rows may reach (`reserve`; kvcache.grown_length), so that models.cache_growth.extend writes
         this step and the next ones in place instead of doubling (64, 128, ... positions: one whole-cache copy
-        each). Without a hint beyond `total`, extend's doubling as before."""
+        each). Without a hint beyond `total`, extend's doubling as before. The room is left unwritten (extend
+        writes a position before anything reads it), so it costs address space, not memory, until used."""
         if not past or self._reserved <= total or capacity(past[0][0]) >= total:
             return past
-        size = min(self._reserved, self.context) if self.context else self._reserved
+        size = kvcache.grown_length(total, self._reserved, self.context)
 
         def grown(t: torch.Tensor) -> torch.Tensor:
-            buffer = t.new_zeros((*t.shape[:2], size, t.shape[3]))
+            buffer = t.new_empty((*t.shape[:2], size, t.shape[3]))
             buffer[:, :, :t.shape[2]] = t
             return buffer[:, :, :t.shape[2]]
 
