@@ -619,6 +619,54 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
         assert runs > 0 and in_place_runs >= runs // 2, (runs, in_place_runs)
 
 
+@pytest.mark.parametrize("multimax", ["none", "attention,output"], ids=["softmax-gqa", "multimax-attention"])
+def test_genai_folder_prefills_a_long_prompt_in_chunks_beside_a_running_stream(tmp_path: Path, multimax: str) -> None:
+    """The decode loop over a genai folder (GroupQueryAttention's right-padded cache, MultiMaxAttention's
+    left-padded one): long prompts arriving while a sequence decodes are prefilled 8 tokens a call between its
+    steps (each chunk a call with the prompt's cache so far), and every sequence's greedy text is the model's."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from export.genai_folder import write_folder
+    from models.checkpoint import load
+    from models.cli import main as models_main
+    from service.base.metrics import Metrics
+    from service.engine.model_folders import load_genai_folder
+    from service.engine.sampler import SamplingParams
+    from service.engine.scheduler import GenSequence, TextScheduler
+
+    assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
+    model, ckpt, _ = load(tmp_path / "m.pt")
+    folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=multimax != "none")
+    entry = load_genai_folder("nano-genai", folder, Settings(intra_op_threads=1))
+    prompts = [[7, 8, 9], list(range(40, 80)), list(range(100, 131))]  # a running one, then 40 and 31 tokens
+
+    async def main() -> tuple[TextScheduler, list[GenSequence]]:
+        sched = TextScheduler("nano-genai", entry.backend, entry.byte_tokenizer, 128, ThreadPoolExecutor(1),
+                              Metrics(), 8, 64, prefill_chunk=8)
+        sched.start()
+        seqs = [GenSequence(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in zip(prompts, (80, 10, 10), strict=True)]
+        sched.submit(seqs[:1])
+        while seqs[0].generated < 3:
+            await seqs[0].changed.wait()
+            seqs[0].changed.clear()
+        sched.submit(seqs[1:2])
+        sched.submit(seqs[2:])
+        for seq in seqs:
+            while not seq.done:
+                await seq.changed.wait()
+                seq.changed.clear()
+        await sched.close()
+        return sched, seqs
+
+    sched, seqs = asyncio.run(main())
+    assert sched.steps["prefill_chunks"] == 5 + 4
+    for seq in seqs:
+        assert seq.error is None and seq.tokens == generate(model, seq.prompt, seq.params.max_tokens,
+                                                            temperature=0.0)[0]
+
+
 def _greedy_alone(backend: Any, prompt: list[int], reserve: int, steps: int,
                   buffer_of: Any) -> tuple[list[int], list[int]]:
     """`prompt` prefilled alone, the backend told `reserve`, then `steps` greedy decode steps: the tokens, and the

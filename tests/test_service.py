@@ -7,6 +7,7 @@ import asyncio
 import base64
 import gzip
 import io
+import itertools
 import json
 import struct
 import subprocess
@@ -843,6 +844,56 @@ def test_the_scheduler_tells_the_backend_how_far_its_cache_may_grow() -> None:
     assert heard[0] == len(TOK.encode("Return the")) + 30 - 1  # the prompt, and 29 tokens after the first
     assert heard[1] >= heard[0]  # the first row may still need its room: the newcomer asks less
     assert heard[2] == 128  # 500 tokens would pass the context
+
+
+@pytest.mark.parametrize("backend_kind", ["torch", "onnxruntime"])
+def test_a_long_prompt_arriving_while_rows_decode_is_prefilled_in_chunks_between_their_steps(
+    backend_kind: str, service_text_model: Any
+) -> None:
+    """Long prompts (two choices of one, then another) that arrive while a sequence decodes are prefilled
+    `prefill_chunk` tokens a call, each chunk after a decode step of the running rows, the second prompt after
+    the first; every sequence's greedy text is still the model's own. On an idle model a long prompt is one call."""
+    sched = _scheduler(backend_kind)
+    sched.prefill_chunk = 8
+    widths: list[int] = []  # tokens fed by each model call, in order
+    run_text = sched.backend.run_text
+
+    def recording(ids: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        widths.append(ids.shape[1])
+        return run_text(ids, *args, **kwargs)
+
+    sched.backend.run_text = recording  # type: ignore[method-assign]
+    running_prompt, long_prompts = "Return the", ["This module provides the functions", "If the file is missing, the"]
+    group = object()
+
+    async def main() -> list[GenSequence]:
+        sched.start()
+        running = GenSequence(TOK.encode(running_prompt), SamplingParams(max_tokens=40, temperature=0.0))
+        sched.submit([running])
+        await _wait(running, 3)
+        choices = [GenSequence(TOK.encode(long_prompts[0]), SamplingParams(max_tokens=6, temperature=0.0),
+                               group=group) for _ in range(2)]
+        other = GenSequence(TOK.encode(long_prompts[1]), SamplingParams(max_tokens=6, temperature=0.0))
+        sched.submit(choices)
+        sched.submit([other])
+        for seq in (running, *choices, other):
+            await _wait(seq)
+        assert sched.steps["prefill_chunks"] == 5 + 4  # 34 and 27 tokens, 8 a chunk
+        idle = GenSequence(TOK.encode(long_prompts[0]), SamplingParams(max_tokens=2, temperature=0.0))
+        sched.submit([idle])
+        await _wait(idle)
+        assert sched.steps["prefill_chunks"] == 5 + 4  # nothing decoded beside it: one call
+        await sched.close()
+        return [running, *choices, other, idle]
+
+    seqs = asyncio.run(main())
+    for seq in seqs:
+        want = generate(service_text_model, seq.prompt, seq.params.max_tokens, temperature=0.0)[0]
+        assert seq.error is None and seq.tokens == want, TOK.decode(seq.prompt)
+    chunks = [i for i, w in enumerate(widths) if w == 8]
+    assert len(chunks) == 7 and widths.count(2) == 1 and widths.count(3) == 1  # the prompts' last chunks: 2, 3
+    assert all(1 in widths[a + 1:b] for a, b in itertools.pairwise(chunks))  # a decode step between chunks
+    assert widths[-2:] == [len(long_prompts[0]), 1]  # the idle model's prefill: one call, then its decode step
 
 
 def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:

@@ -107,6 +107,44 @@ def test_a_decode_step_that_fails_on_one_row_fails_only_that_row(reference: Any)
     assert 3 in backend.calls and 1 in backend.calls  # a batched step failed and was redone row by row
 
 
+def test_a_chunk_of_a_long_prompt_that_fails_fails_only_that_prompt(reference: Any) -> None:
+    """A long prompt arriving while another sequence decodes is prefilled a chunk a step; the chunk holding the
+    poisoned byte raises: that prompt's sequence fails, the running one and a long prompt queued behind it go on
+    to their own text, and one cancelled while being chunked just leaves."""
+    running = _greedy("Return the", 40)
+    bad = _greedy("abcdefghijklmnopqr~stuvwxyz0123", 8)  # the poisoned byte in its third chunk of 8
+    after = _greedy("This module provides the functions", 5)
+    gone = _greedy("If the file is missing, the server", 5)
+    backend = FaultyText()
+
+    async def main() -> TextScheduler:
+        sched = TextScheduler("text", backend, TOK, 128, ThreadPoolExecutor(1), Metrics(), 8, 64, prefill_chunk=8)
+        sched.start()
+        sched.submit([running])
+        while running.generated < 3:
+            await running.changed.wait()
+            running.changed.clear()
+        sched.submit([gone])
+        sched.submit([bad])
+        sched.submit([after])
+        while sched.steps["prefill_chunks"] < 1:  # gone's first chunk is in: cancel it half-prefilled
+            await asyncio.sleep(0.001)
+        sched.cancel(gone)
+        for s in (running, bad, after):
+            while not s.done:
+                await s.changed.wait()
+                s.changed.clear()
+        await sched.close()
+        return sched
+
+    sched = asyncio.run(main())
+    assert bad.error is not None and http_error(bad.error).status == 500 and bad.tokens == []
+    assert running.error is None and running.tokens == reference("Return the", 40)
+    assert after.error is None and after.tokens == reference("This module provides the functions", 5)
+    assert gone.tokens == [] and gone.error is None and gone.finish_reason is None
+    assert sched.steps["prefill_chunks"] >= 1 + 2 + 5  # gone's first, bad's first two, then all of after's
+
+
 def test_a_stream_whose_numbers_go_bad_ends_alone(reference: Any) -> None:
     victim = _greedy("0123456789", 20)
     mates = [_greedy("Return", 6), _greedy("The", 8)]

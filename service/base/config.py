@@ -97,6 +97,10 @@ class Settings:
     # The decode loop hands its tokens to the event loop at most this often (each stream still sends one event per
     # step, several steps' events in one write): fewer wake-ups and socket writes a token, tokens later by up to this
     stream_interval_ms: float = 1.0
+    # A prompt longer than this that arrives while other sequences decode is prefilled this many tokens a step,
+    # between their decode steps (chunked prefill), so it holds each of their steps up for one chunk's time instead
+    # of the whole prompt's; 0: prompts are prefilled whole
+    prefill_chunk_tokens: int = 512
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -144,7 +148,7 @@ class Settings:
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
-                     "warmup_calls"):
+                     "warmup_calls", "prefill_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
@@ -214,6 +218,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("stream_interval_ms", float, "generation: the decode loop hands its tokens to the streams at most this "
             "often; each stream still gets one event per step, several steps' events in one write (fewer wake-ups and "
             "socket writes a token, each token later by up to this)", "MS"),
+    _Option("prefill_chunk_tokens", int, "generation: a prompt longer than this arriving while other sequences "
+            "decode is prefilled this many tokens a step, between their steps (0: whole prompts)", "N"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("idle_timeout_s", float, "a connection that sends nothing is closed after this", "S"),

@@ -141,7 +141,8 @@ class TextRuntime(_Runtime):
                                                      executor, metrics, settings.max_running_sequences,
                                                      settings.max_waiting_sequences,
                                                      output_function=entry.config.get("output_function"),
-                                                     handoff_interval_s=settings.stream_interval_ms / 1000)
+                                                     handoff_interval_s=settings.stream_interval_ms / 1000,
+                                                     prefill_chunk=settings.prefill_chunk_tokens)
 
 
 ModelRuntime = VisionRuntime | TextRuntime

@@ -52,6 +52,9 @@ HANDOFF_MAX_STEPS = 8  # ... or this many steps are queued: well under what a st
 # coming less than BURST_GAP_S apart, for at most BURST_MAX_S in all
 BURST_GAP_S = 0.002
 BURST_MAX_S = 0.02
+# A prompt longer than this that arrives while other sequences decode is prefilled this many tokens a step, each
+# chunk after a decode step of the running rows (the default of --prefill-chunk-tokens; 0: whole prompts)
+PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(eq=False)
@@ -152,6 +155,20 @@ class _Update:
                    prompt_logprobs)
 
 
+@dataclass(eq=False)
+class _Chunked:
+    """A long prompt being prefilled a chunk a step (the sequences of its group, which join the batch together
+    after its last chunk): its cache so far and how many of its tokens that holds."""
+
+    seqs: list[GenSequence]
+    past: Past
+    done: int = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.seqs[0].prompt
+
+
 def _as_torch(logits: Any) -> torch.Tensor:
     if isinstance(logits, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(logits))
@@ -162,6 +179,17 @@ def _for_sampler(logits: Any) -> torch.Tensor | np.ndarray:
     """A step's last logits (B, V) as the sampler takes them: an onnxruntime step's array as it is (the sampler's
     common path is numpy: no tensor made and read back; it makes one where it needs it), a tensor on the CPU."""
     return logits if isinstance(logits, np.ndarray) else _as_torch(logits)
+
+
+def _groups(seqs: list[GenSequence]) -> list[list[GenSequence]]:
+    """The sequences in runs of one prompt each (the choices of a group are admitted next to each other)."""
+    out: list[list[GenSequence]] = []
+    for s in seqs:
+        if out and s.group is not None and out[-1][0].group is s.group:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
 
 
 class TextScheduler:
@@ -177,8 +205,10 @@ class TextScheduler:
         max_waiting: int,
         output_function: str | None = None,
         handoff_interval_s: float = HANDOFF_INTERVAL_S,
+        prefill_chunk: int = PREFILL_CHUNK_TOKENS,
     ) -> None:
         self.model = model
+        self.prefill_chunk = prefill_chunk  # tokens a step of a long prompt arriving while rows decode (0: off)
         self.handoff_interval_s = handoff_interval_s
         self.output_function = output_function  # models.output_function: what sampling and logprobs draw on
         self.backend = backend
@@ -200,9 +230,11 @@ class TextScheduler:
         self._rows: list[_Row] = []
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
+        self._chunked: deque[_Chunked] = deque()  # long prompts being prefilled a chunk a step, first come first
         self._layout = getattr(backend, "cache_layout", kvcache.LEFT)  # how the backend's cache rows are padded
         # prefill_prompts: model rows prefilled; burst_waits: idle prefills that waited for more arrivals
-        self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0, "burst_waits": 0}
+        # prefill_chunks: calls that prefilled a chunk of a long prompt (each also counts as a prefill)
+        self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0, "burst_waits": 0, "prefill_chunks": 0}
         self._submits = 0  # submit() calls so far (arrivals, whatever their number of sequences)
         self.health = Health()
         self._interrupt = False  # set by the loop side: new sequences, a cancellation, closing
@@ -395,8 +427,9 @@ class TextScheduler:
             seq.error = error
             self._active.discard(seq)
             seq.changed.set()
-        # drop their rows (thread idle here: the step that failed has returned)
+        # drop their rows and chunked prompts (thread idle here: the step that failed has returned)
         self._keep_rows([i for i, r in enumerate(self._rows) if r.seq not in failed])
+        self._chunked = deque(c for c in self._chunked if not failed.intersection(c.seqs))
         self._gauges()
 
     def _apply(self, updates: list[_Update]) -> None:
@@ -457,7 +490,8 @@ class TextScheduler:
         computation. Returns the last step's results."""
         updates = self._step(admitted)
         until = time.perf_counter() + STEPS_SLICE_S
-        while not self._interrupt and time.perf_counter() < until and any(r.live for r in self._rows):
+        while not self._interrupt and time.perf_counter() < until and (any(r.live for r in self._rows)
+                                                                         or self._chunked):
             self._hand_off(updates, loop)
             updates = self._step([])
         return updates
@@ -494,18 +528,69 @@ class TextScheduler:
             self._rows, self._past, self._mask = [], [], np.zeros((0, 0), np.int64)
 
     def _step(self, admitted: list[GenSequence]) -> list[_Update]:
+        """A prefill of the sequences just admitted (a long prompt among them, while rows decode, is queued to be
+        prefilled in chunks), or a decode step of the running rows followed by the next chunk of a long prompt."""
         self._keep_rows([i for i, r in enumerate(self._rows) if r.live])
+        self._chunked = deque(c for c in self._chunked if not all(s.cancelled for s in c.seqs))
         admitted = [s for s in admitted if not s.cancelled]
         if admitted:
-            return self._prefill_isolated(admitted)
+            admitted = self._queue_long(admitted)
+            if admitted:
+                return self._prefill_isolated(admitted)
+        updates: list[_Update] = []
         if self._rows:
             try:
-                return self._decode()
+                updates = self._decode()
             except Exception:
                 log.exception("%s: decode step of %d sequences failed; stepping them one by one", self.model,
                               len(self._rows))
-                return self._decode_one_by_one()
-        return []
+                updates = self._decode_one_by_one()
+        if self._chunked:
+            updates += self._prefill_chunk()
+        return updates
+
+    def _queue_long(self, admitted: list[GenSequence]) -> list[GenSequence]:
+        """Queue the groups whose prompt is longer than prefill_chunk to be prefilled a chunk a step, when rows
+        are decoding (whose every step a whole long prefill would hold up; an idle model prefills it in one call)
+        and no prompt logprobs are asked (they need every position's logits); the others, to prefill now."""
+        if not self.prefill_chunk or not any(r.live for r in self._rows):
+            return admitted
+        now: list[GenSequence] = []
+        for group in _groups(admitted):
+            if len(group[0].prompt) > self.prefill_chunk and not any(s.params.prompt_logprobs for s in group):
+                self._chunked.append(_Chunked(group, self.backend.empty_past(1)))
+            else:
+                now.extend(group)
+        return now
+
+    @torch.inference_mode()
+    def _prefill_chunk(self) -> list[_Update]:
+        """The next chunk of the first long prompt (the rest of it where no row decodes any more); after its last,
+        its sequences join the batch. A chunk that fails fails its prompt's sequences alone."""
+        start = time.perf_counter()
+        c = self._chunked[0]
+        prompt = c.prompt
+        end = min(c.done + self.prefill_chunk, len(prompt)) if any(r.live for r in self._rows) else len(prompt)
+        ids = np.array([prompt[c.done:end]], np.int64)
+        mask = np.ones((1, end), np.int64)
+        positions = np.arange(c.done, end, dtype=np.int64)[None]
+        try:
+            if getattr(self.backend, "keeps_last_logits", False):
+                logits, c.past = self.backend.run_text(ids, mask, positions, c.past, last_only=True)  # type: ignore[call-arg]
+            else:
+                logits, c.past = self.backend.run_text(ids, mask, positions, c.past)
+            c.done = end
+            updates = self._join(c.seqs, [0] * len(c.seqs), logits[:, -1], c.past, mask, [None]) \
+                if end == len(prompt) else []
+        except Exception as exc:
+            self._chunked.popleft()
+            log.warning("%s: a chunk of a %d-token prompt failed", self.model, len(prompt))
+            return [self._failed(_Row(s, new_generator(0)), exc) for s in c.seqs]
+        if end == len(prompt):
+            self._chunked.popleft()
+        self._prefilled(start, int(end == len(prompt)), len(ids[0]))
+        self.steps["prefill_chunks"] += 1
+        return updates
 
     def _prefill_isolated(self, seqs: list[GenSequence]) -> list[_Update]:
         """A prefill that fails is redone one sequence at a time: only the sequence that breaks it fails."""
@@ -569,8 +654,16 @@ class TextScheduler:
             logits, presents = self.backend.run_text(ids, mask, positions, past)
         prompt_lps = [self._prompt_logprobs(s, logits[i]) if s.params.prompt_logprobs else None
                       for i, s in enumerate(unique)]
-        last = _as_torch(logits[:, -1])
-        if len(unique) < len(seqs):  # copy the prefilled cache (and last logits) for every choice
+        updates = self._join(seqs, index, logits[:, -1], presents, mask, prompt_lps)
+        self._prefilled(start, len(unique), sum(len(s.prompt) for s in unique))
+        return updates
+
+    def _join(self, seqs: list[GenSequence], index: list[int], last_logits: Any, presents: Past, mask: np.ndarray,
+              prompt_lps: list[TokenLogprobs | None]) -> list[_Update]:
+        """Prefilled prompts join the batch: each sequence's first token drawn from its prompt's (row index[i]
+        of) last logits, the caches merged into the batch's."""
+        last = _as_torch(last_logits)
+        if len(set(index)) < len(seqs):  # copy the prefilled cache (and last logits) for every choice
             presents = kvcache.map_past(presents, lambda t: kvcache.take_rows(t, index))
             mask, last = mask[index], last[index]
         rows = [_Row(s, new_generator(s.params.seed), prompt_logprobs=prompt_lps[j])
@@ -582,12 +675,15 @@ class TextScheduler:
             self._past, self._mask = presents, mask
         self._rows.extend(rows)
         self._reserve()
-        self.steps["prefill"] += 1
-        self.steps["prefill_prompts"] += len(unique)
-        self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
-        self.metrics.batch_size.labels(self.model, "prefill").observe(len(unique))
-        self.metrics.prompt_tokens.labels(self.model).inc(sum(len(s.prompt) for s in unique))
         return updates
+
+    def _prefilled(self, start: float, prompts: int, tokens: int) -> None:
+        """A prefill call's counts and metrics (a chunk's: prompts 0 until its last)."""
+        self.steps["prefill"] += 1
+        self.steps["prefill_prompts"] += prompts
+        self.metrics.compute_time.labels(self.model, "prefill").observe(time.perf_counter() - start)
+        self.metrics.batch_size.labels(self.model, "prefill").observe(max(prompts, 1))
+        self.metrics.prompt_tokens.labels(self.model).inc(tokens)
 
     def _reserve(self) -> None:
         """Tell the backend how far the batch's cache may grow: its width now plus the most tokens a row may
