@@ -5,7 +5,9 @@ Each step runs in the model's worker thread and is either
     with an empty cache; their caches are merged into the running batch (`service.engine.kvcache.merge`). The
     choices of one prompt (n, best_of: a `group`) are admitted together and prefilled as one row, whose cache
     rows are copied to each; or
-  * a decode: every running sequence feeds its last sampled token; one token per sequence.
+  * a decode: every running sequence feeds its last sampled token; one token per sequence; then, while a long
+    prompt that arrived during decoding is queued (longer than prefill_chunk), the next chunk of it, so that its
+    prefill holds each step up by one chunk's time instead of the running rows waiting for all of it.
 Finished and cancelled sequences leave the batch at the start of the next step, and columns that are
 padding for every row are trimmed, so one long generation never holds up the others and a closed
 stream frees its slot at once. The event-loop side only moves results to the waiting endpoints.
