@@ -133,6 +133,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
     return ids, mask
 
 
+def grows_cache_in_place(model: Any) -> bool:
+    """Whether the model's attention extends its past in place where the past's buffer has room
+    (models.cache_growth.extend: the Llama family), so that a caller may hand it a past with room to spare; the
+    others concatenate, and room would be copied for nothing."""
+    from models.llama import Llama
+
+    return isinstance(model, Llama)
+
+
 def keeps_last_logits(model: Any) -> bool:
     """Whether the model's forward can compute the last positions' logits alone (models.llama's logits_to_keep, the
     LM head and SegLU of one row instead of a whole prompt's)."""

@@ -106,3 +106,25 @@ def test_cache_reserve_compares_the_decode_loop_with_and_without_the_hint(
     assert cache_reserve.main([str(tmp_path)]) == 2
     assert "not an onnxruntime-genai folder" in capsys.readouterr().err
     assert cache_reserve.main([str(folder), "--rounds", "0"]) == 2
+
+
+def test_chunked_prefill_reports_each_chunk_size(folder: Path, capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    """benchmarks.chunked_prefill: one run gives the running streams' gaps and the long prompt's first token for
+    a chunk size, main prints a row per size; a prompt past the context or bad input exits 2 with one line."""
+    from benchmarks import chunked_prefill
+
+    entry = bench.load_entry(folder, 1)
+    figures = chunked_prefill.one_run(entry, 8, 2, 40)
+    assert set(figures) == {"itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_ms", "tok_s"}
+    assert figures["long_ttft_ms"] > 0 and figures["tok_s"] > 0
+    assert 0 <= figures["itl_p50_ms"] <= figures["itl_p99_ms"] <= figures["itl_max_ms"]
+    assert chunked_prefill.main([str(folder), "--streams", "2", "--long", "40", "--chunks", "0,8", "--rounds",
+                                 "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| off |" in out and "| 8 |" in out
+    assert chunked_prefill.main([str(folder), "--long", "500"]) == 2
+    assert "past the model's context" in capsys.readouterr().err
+    assert chunked_prefill.main([str(tmp_path)]) == 2
+    assert chunked_prefill.main([str(folder), "--chunks", "8,x"]) == 2
+    assert "--chunks" in capsys.readouterr().err

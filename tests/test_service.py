@@ -654,7 +654,8 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
 
 
 def test_a_full_cache_grows_to_the_hint_within_its_bounds() -> None:
-    grown = kvcache.grown_length
+    from service.engine.backends.base import grown_length as grown
+
     assert grown(33, 96, 1024) == 96  # 32-token prompts asking 64 tokens: one buffer for all of it
     assert grown(33, 0, 1024) == 66 and grown(33, 33, 1024) == 66  # no hint beyond the step: doubling
     assert grown(33, 1000, 1024) == 132  # at most four times what the step must hold

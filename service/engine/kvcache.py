@@ -26,10 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from models.cache_growth import room
 from service.engine.backends.base import Past
-
-RESERVE_FACTOR = 4  # a growing buffer takes at most this many times what it must hold, whatever the hint
 
 
 def _is_numpy(x: Any) -> bool:
@@ -56,17 +53,6 @@ def take_rows(x: Any, rows: list[int]) -> Any:
 
 Layout = str  # "left-padded" | "right-padded"
 LEFT, RIGHT = "left-padded", "right-padded"
-
-
-def grown_length(total: int, reserved: int, context: int) -> int:
-    """Positions a full cache buffer that must now hold `total` grows to (`TextBackend.reserve`): what the rows
-    may reach (`reserved`) where the hint goes beyond `total`, but at most RESERVE_FACTOR times `total` (a chat
-    without max_tokens may reach the whole context, which must not be allocated on its first step) and never past
-    the context (0: unknown); without such a hint, twice `total` (models.cache_growth.room)."""
-    if reserved <= total:
-        return room(total, context)
-    size = min(reserved, max(RESERVE_FACTOR * total, room(total, context)))
-    return min(size, context) if context else size
 
 
 def pad(x: Any, n: int, axis: int, at_end: bool = False) -> Any:

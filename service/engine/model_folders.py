@@ -25,7 +25,7 @@ from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
 from service.base.config import Settings
 from service.engine import kvcache
-from service.engine.backends.base import BackendUnavailable, Past, TextBackend
+from service.engine.backends.base import BackendUnavailable, Past, TextBackend, grown_length
 from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
@@ -195,12 +195,12 @@ class GenaiTextBackend(TextBackend):
         onnxruntime-genai's past_present_share_buffer: GroupQueryAttention writes the new keys at each row's own
         position (right-padded rows), MultiMaxAttention at the common one (left-padded rows; its fused kernel in
         place, its function body by copies), and nothing else is copied. A buffer without room for this step
-        grows to what the running rows may reach (`reserve`; kvcache.grown_length): one copy for a batch's
+        grows to what the running rows may reach (`reserve`; grown_length): one copy for a batch's
         whole generation, where doubling to twice what it must hold copied at 64, 128, ... positions (two
         whole-cache copies of 16 ms each for 64 tokens on the paper-size LM at 16 rows)."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            size = kvcache.grown_length(total, self._reserved, self.context)
+            size = grown_length(total, self._reserved, self.context)
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The

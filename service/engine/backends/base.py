@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from models.cache_growth import room
+
 Past = list[tuple[Any, Any]]  # per layer (key, value), each (batch, n_head, length, head_dim)
 
 
@@ -49,6 +51,20 @@ class VisionBackend(Backend):
     @abstractmethod
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
         """(B, C, H, W) float32 -> logits (B, classes) float32."""
+
+
+RESERVE_FACTOR = 4  # a growing cache buffer takes at most this many times what it must hold, whatever the hint
+
+
+def grown_length(total: int, reserved: int, context: int) -> int:
+    """Positions a full cache buffer that must now hold `total` grows to (`TextBackend.reserve`): what the rows
+    may reach (`reserved`) where the hint goes beyond `total`, but at most RESERVE_FACTOR times `total` (a chat
+    without max_tokens may reach the whole context, which must not be allocated on its first step) and never past
+    the context (0: unknown); without such a hint, twice `total` (models.cache_growth.room)."""
+    if reserved <= total:
+        return room(total, context)
+    size = min(reserved, max(RESERVE_FACTOR * total, room(total, context)))
+    return min(size, context) if context else size
 
 
 class TextBackend(Backend):

@@ -16,15 +16,20 @@ from torch import nn
 from models import registry as architectures
 from models.cache_growth import capacity
 from models.checkpoint import Checkpoint, build_model, config_of, parse, read_file
-from models.generate import keeps_last_logits
-from models.llama import Llama
+from models.generate import grows_cache_in_place, keeps_last_logits
 from models.loading import CheckpointError, check_keys
 from models.registry import TextModel
-from models.spec import TEXT, VisionSpec
+from models.spec import TEXT, TextSpec, VisionSpec
 from plugins.cpu_sigma import use_cpu_sigma
 from plugins.torch_op import use_fused_kernels
-from service.engine import kvcache
-from service.engine.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
+from service.engine.backends.base import (
+    Backend,
+    BackendUnavailable,
+    Past,
+    TextBackend,
+    VisionBackend,
+    grown_length,
+)
 from service.engine.backends.probe import torch_cuda_available
 
 log = logging.getLogger(__name__)
@@ -117,10 +122,9 @@ class TorchTextBackend(_TorchBackend, TextBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keeps_last_logits = keeps_last_logits(self.model)
-        # The Llama family grows its cache in place where the past has room (models.cache_growth.extend); the
-        # others concatenate, and room would be copied for nothing.
-        self.grows_in_place = isinstance(self.model, Llama)
-        self.context = int(getattr(getattr(self.model, "config", None), "block_size", 0) or 0)  # 0: unknown
+        self.grows_in_place = grows_cache_in_place(self.model)  # a past with room is worth handing it
+        spec = self.checkpoint.spec()
+        self.context = spec.context_length if isinstance(spec, TextSpec) else 0  # 0: unknown
         self._reserved = 0  # positions the running rows may reach (reserve)
 
     def reserve(self, positions: int) -> None:
@@ -128,13 +132,13 @@ class TorchTextBackend(_TorchBackend, TextBackend):
 
     def _with_room(self, past: Past, total: int) -> Past:
         """A decode step's past, where it has no room for the step's `total` positions: views of buffers sized
-        to what the rows may reach (`reserve`; kvcache.grown_length), so that models.cache_growth.extend writes
+        to what the rows may reach (`reserve`; grown_length), so that models.cache_growth.extend writes
         this step and the next ones in place instead of doubling (64, 128, ... positions: one whole-cache copy
         each). Without a hint beyond `total`, extend's doubling as before. The room is left unwritten (extend
         writes a position before anything reads it), so it costs address space, not memory, until used."""
         if not past or self._reserved <= total or capacity(past[0][0]) >= total:
             return past
-        size = kvcache.grown_length(total, self._reserved, self.context)
+        size = grown_length(total, self._reserved, self.context)
 
         def grown(t: torch.Tensor) -> torch.Tensor:
             buffer = t.new_empty((*t.shape[:2], size, t.shape[3]))
