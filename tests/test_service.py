@@ -653,6 +653,30 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
     assert np.asarray(merged[0][0]).shape == (3, 1, 9, 2) and mask2.shape == (3, 4)
 
 
+@pytest.mark.parametrize("layout", [kvcache.LEFT, kvcache.RIGHT])
+def test_a_longer_newcomer_merges_into_one_new_numpy_buffer_as_the_torch_path_does(layout: str) -> None:
+    """A newcomer with a longer history than the batch (every running row needs padding) is merged into one new
+    buffer a layer: its values over the mask's columns are the torch path's (the same cache as tensors), the
+    padding is zeros, and the buffer keeps rows of room for the next join."""
+    rng = np.random.default_rng(3)
+    k = rng.normal(size=(2, 1, 8, 2)).astype(np.float32)  # 2 rows, a buffer of 8 columns, 3 of them real
+    mask = np.array([[0, 1, 1], [1, 1, 1]], np.int64)
+    if layout == kvcache.LEFT:
+        k[0, :, 0] = 0
+    else:
+        k[0, :, 2:] = 0
+    newcomer = rng.normal(size=(1, 1, 6, 2)).astype(np.float32)
+    new_mask = np.ones((1, 6), np.int64)
+    merged, merged_mask = kvcache.merge([(k, k.copy())], mask, [(newcomer, newcomer.copy())], new_mask, layout)
+    want, want_mask = kvcache.merge([(torch.from_numpy(k[:, :, :3].copy()),) * 2], mask,
+                                    [(torch.from_numpy(newcomer),) * 2], new_mask, layout)
+    assert np.array_equal(merged_mask, want_mask) and merged_mask.shape == (3, 6)
+    got = merged[0][0]
+    assert got.shape[:2] == (3, 1) and got.shape[2] >= 6
+    assert np.array_equal(got[:, :, :6], want[0][0].numpy()[:, :, :6])
+    assert kvcache._row_room(got) is not None  # rows of room behind the view
+
+
 def test_a_full_cache_grows_to_the_hint_within_its_bounds() -> None:
     from service.engine.backends.base import grown_length as grown
 

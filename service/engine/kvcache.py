@@ -158,6 +158,9 @@ def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
     if fast is not None:
         return fast, np.concatenate([mask_a, pad(mask_b, la - lb, 1)], axis=0)
     length = max(la, lb)
+    mask = np.concatenate([pad(mask_a, length - la, 1), pad(mask_b, length - lb, 1)], axis=0)
+    if past_a and past_b and _is_numpy(past_a[0][0]) and _is_numpy(past_b[0][0]):
+        return _merge_numpy(past_a, la, past_b, lb, layout), mask
     if layout != RIGHT:  # the shorter history padded on the left, as its mask
         past_a = map_past(past_a, lambda t: pad(t, length - la, 2))
         past_b = map_past(past_b, lambda t: pad(t, length - lb, 2))
@@ -165,9 +168,32 @@ def merge(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
     room = max(past_a[0][0].shape[2], past_b[0][0].shape[2]) if past_a and past_b else 0
     past_a = map_past(past_a, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
     past_b = map_past(past_b, lambda t: pad(t, room - t.shape[2], 2, at_end=True))
-    mask = np.concatenate([pad(mask_a, length - la, 1), pad(mask_b, length - lb, 1)], axis=0)
     past = [(cat_rows([ka, kb]), cat_rows([va, vb])) for (ka, va), (kb, vb) in zip(past_a, past_b, strict=True)]
     return past, mask
+
+
+def _merge_numpy(past_a: Past, la: int, past_b: Past, lb: int, layout: Layout) -> Past:
+    """`merge` of numpy caches where b's history is longer than a's: one new buffer a layer (rows of room as
+    `_merge_in_room` gives, each side's room at its end kept), whose columns up to the mask's are zeroed and into
+    which only each side's real columns are copied, once; the room after them is left unwritten (written before
+    it is read). Padding a on the left, then both at their end, then concatenating copied whole buffers three
+    times: 408 ms for a 480-token prompt joining 8 rows of the paper-size LM."""
+    length = max(la, lb)
+    shift_a, shift_b = (0, 0) if layout == RIGHT else (length - la, length - lb)
+    cols = max(past_a[0][0].shape[2] + shift_a, past_b[0][0].shape[2] + shift_b)
+    rows_a = len(past_a[0][0])
+    rows = rows_a + len(past_b[0][0])
+    out: Past = []
+    for pair_a, pair_b in zip(past_a, past_b, strict=True):
+        merged = []
+        for a, b in zip(pair_a, pair_b, strict=True):
+            base = np.empty((rows + max(4, rows // 4), a.shape[1], cols, a.shape[3]), a.dtype)
+            base[:rows, :, :length] = 0  # padding must be finite (masked, but 0 x NaN is NaN); room is not read
+            base[:rows_a, :, shift_a:shift_a + la] = a[:, :, :la]
+            base[rows_a:rows, :, shift_b:shift_b + lb] = b[:, :, :lb]
+            merged.append(base[:rows])
+        out.append((merged[0], merged[1]))
+    return out
 
 
 def select(past: Past, mask: np.ndarray, rows: list[int], layout: Layout = LEFT) -> tuple[Past, np.ndarray]:
