@@ -11,12 +11,11 @@ input.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.genai_vs_server import engine_loop, load_entry, prompts
+from benchmarks.genai_vs_server import engine_loop, folder_parser, load_entry, not_a_genai_folder, prompts
 
 
 def compare(folder: Path, streams: int, max_tokens: int, rounds: int, threads: int,
@@ -39,15 +38,11 @@ def compare(folder: Path, streams: int, max_tokens: int, rounds: int, threads: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.cache_reserve", description=__doc__.split("\n")[0])
-    ap.add_argument("folder", type=Path, help="an onnxruntime-genai folder")
+    ap = folder_parser("python -m benchmarks.cache_reserve", __doc__ or "", rounds=8)
     ap.add_argument("--streams", type=int, default=16, help="equal streams sent together (default 16)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens a stream generates (default 64)")
-    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     args = ap.parse_args(argv)
-    if not (args.folder / "genai_config.json").is_file():
-        print(f"error: {args.folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+    if not_a_genai_folder(args.folder):
         return 2
     if min(args.streams, args.max_tokens, args.rounds, args.threads) < 1:
         print("error: --streams, --max-tokens, --rounds and --threads must be >= 1", file=sys.stderr)

@@ -12,17 +12,15 @@ with one line for bad input.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from benchmarks.genai_vs_server import load_entry, pct, prompts
+from benchmarks.genai_vs_server import folder_parser, load_entry, not_a_genai_folder, pct, prompts
 
 RUNNING_TOKENS = 160  # tokens each running stream generates (the long prompt arrives after ARRIVE_AFTER of them)
 ARRIVE_AFTER = 16
@@ -85,16 +83,12 @@ def one_run(entry: Any, chunk: int, streams: int, long_len: int, prompt_len: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.chunked_prefill", description=__doc__.split("\n")[0])
-    ap.add_argument("folder", type=Path, help="an onnxruntime-genai folder")
+    ap = folder_parser("python -m benchmarks.chunked_prefill", __doc__ or "", rounds=3)
     ap.add_argument("--streams", type=int, default=8, help="running streams (default 8)")
     ap.add_argument("--long", type=int, default=768, help="tokens of the prompt that arrives (default 768)")
     ap.add_argument("--chunks", default="0,128,256", help="--prefill-chunk-tokens values, 0 = off (default 0,128,256)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     args = ap.parse_args(argv)
-    if not (args.folder / "genai_config.json").is_file():
-        print(f"error: {args.folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+    if not_a_genai_folder(args.folder):
         return 2
     try:
         chunks = [int(c) for c in args.chunks.split(",")]

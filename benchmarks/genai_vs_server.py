@@ -228,6 +228,23 @@ def engine_is_correct(model: Any, vocab: int, max_tokens: int) -> tuple[bool, st
 # ---- the server's backend in a bare loop -----------------------------------------------------------------------
 
 
+def folder_parser(prog: str, doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments the decode-loop benchmarks over one genai folder share: the folder, --rounds, --threads."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    ap.add_argument("folder", type=Path, help="an onnxruntime-genai folder")
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    return ap
+
+
+def not_a_genai_folder(folder: Path) -> bool:
+    """True, having said so on stderr, where `folder` has no genai_config.json."""
+    if (folder / "genai_config.json").is_file():
+        return False
+    print(f"error: {folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+    return True
+
+
 def load_entry(folder: Path, threads: int) -> Any:
     """The folder as the server loads it (service.engine.model_folders.load_genai_folder)."""
     from service.base.config import Settings
