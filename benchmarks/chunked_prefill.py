@@ -78,7 +78,7 @@ def one_run(entry: Any, chunk: int, streams: int, long_len: int, prompt_len: int
         raise SystemExit("error: the decode loop failed a sequence")
     gaps = [b - a for t in stamps for a, b in itertools.pairwise(t)]
     tokens = sum(s.generated for s in running) + long.generated
-    return {"itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99), "itl_max_ms": max(gaps) * 1e3,  # pct: ms
+    return {"itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99), "itl_max_ms": pct(gaps, 100),
             "long_ttft_ms": ttft * 1e3, "tok_s": tokens / wall}
 
 

@@ -99,6 +99,11 @@ def _row_room(t: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def _with_spare_rows(rows: int) -> int:
+    """Rows a new merged buffer gets for `rows` rows: a quarter more (at least 4), room for the next joins."""
+    return rows + max(4, rows // 4)
+
+
 def _merge_in_room(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.ndarray,
                    layout: Layout) -> Past | None:
     """`merge` for numpy caches whose newcomers (b) fit a's columns: b's rows written below a's into a's buffer
@@ -117,7 +122,7 @@ def _merge_in_room(past_a: Past, mask_a: np.ndarray, past_b: Past, mask_b: np.nd
         for a, b in zip(pair_a, pair_b, strict=True):
             base = _row_room(a)
             if base is None or base.shape[0] < rows:
-                base = np.zeros((rows + max(4, rows // 4), *a.shape[1:]), a.dtype)  # room for a few more
+                base = np.zeros((_with_spare_rows(rows), *a.shape[1:]), a.dtype)
                 base[:rows_a] = a
             new = base[rows_a:rows]
             new[:, :, :la] = 0  # the previous occupant's positions (room beyond la is written before it is read)
@@ -187,7 +192,7 @@ def _merge_numpy(past_a: Past, la: int, past_b: Past, lb: int, layout: Layout) -
     for pair_a, pair_b in zip(past_a, past_b, strict=True):
         merged = []
         for a, b in zip(pair_a, pair_b, strict=True):
-            base = np.empty((rows + max(4, rows // 4), a.shape[1], cols, a.shape[3]), a.dtype)
+            base = np.empty((_with_spare_rows(rows), a.shape[1], cols, a.shape[3]), a.dtype)
             base[:rows, :, :length] = 0  # padding must be finite (masked, but 0 x NaN is NaN); room is not read
             base[:rows_a, :, shift_a:shift_a + la] = a[:, :, :la]
             base[rows_a:rows, :, shift_b:shift_b + lb] = b[:, :, :lb]

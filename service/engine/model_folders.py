@@ -123,7 +123,6 @@ class GenaiTextBackend(TextBackend):
         self._bound: tuple[Any, ...] = ()
         self._returned: Past | None = None  # the past the last decode step returned (its buffers are bound)
         self._logits: np.ndarray | None = None  # the decode step's logits buffer, bound with the cache buffers
-        self._reserved = 0  # positions the running rows may reach (reserve): a buffer that grows is sized to them
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
@@ -200,7 +199,7 @@ class GenaiTextBackend(TextBackend):
         whole-cache copies of 16 ms each for 64 tokens on the paper-size LM at 16 rows)."""
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
-            size = grown_length(total, self._reserved, self.context)
+            size = grown_length(total, self.reserved, self.context)
             past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The
@@ -236,9 +235,6 @@ class GenaiTextBackend(TextBackend):
         if self._logits is not None:  # valid until the next decode step writes into the same buffer
             return self._logits, past
         return binding.get_outputs()[0].numpy(), past
-
-    def reserve(self, positions: int) -> None:
-        self._reserved = positions
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: Past) -> tuple[np.ndarray, Past]:

@@ -533,7 +533,8 @@ class TextScheduler:
         """A prefill of the sequences just admitted (a long prompt among them, while rows decode, is queued to be
         prefilled in chunks), or a decode step of the running rows followed by the next chunk of a long prompt."""
         self._keep_rows([i for i, r in enumerate(self._rows) if r.live])
-        self._chunked = deque(c for c in self._chunked if not all(s.cancelled for s in c.seqs))
+        if self._chunked:  # a long prompt all of whose sequences were cancelled is not prefilled further
+            self._chunked = deque(c for c in self._chunked if not all(s.cancelled for s in c.seqs))
         admitted = [s for s in admitted if not s.cancelled]
         if admitted:
             admitted = self._queue_long(admitted)
@@ -577,10 +578,7 @@ class TextScheduler:
         mask = np.ones((1, end), np.int64)
         positions = np.arange(c.done, end, dtype=np.int64)[None]
         try:
-            if getattr(self.backend, "keeps_last_logits", False):
-                logits, c.past = self.backend.run_text(ids, mask, positions, c.past, last_only=True)  # type: ignore[call-arg]
-            else:
-                logits, c.past = self.backend.run_text(ids, mask, positions, c.past)
+            logits, c.past = self._run_prompts(ids, mask, positions, c.past, last_only=True)
             c.done = end
             updates = self._join(c.seqs, [0] * len(c.seqs), logits[:, -1], c.past, mask, [None]) \
                 if end == len(prompt) else []
@@ -649,16 +647,21 @@ class TextScheduler:
             mask[i, longest - len(s.prompt):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         past = self.backend.empty_past(len(unique))
-        if getattr(self.backend, "keeps_last_logits", False) and not any(s.params.prompt_logprobs for s in unique):
-            # one row of logits per prompt, not T (the LM head and SegLU over a whole prompt are wasted work)
-            logits, presents = self.backend.run_text(ids, mask, positions, past, last_only=True)  # type: ignore[call-arg]
-        else:
-            logits, presents = self.backend.run_text(ids, mask, positions, past)
+        logits, presents = self._run_prompts(ids, mask, positions, past,
+                                             last_only=not any(s.params.prompt_logprobs for s in unique))
         prompt_lps = [self._prompt_logprobs(s, logits[i]) if s.params.prompt_logprobs else None
                       for i, s in enumerate(unique)]
         updates = self._join(seqs, index, logits[:, -1], presents, mask, prompt_lps)
         self._prefilled(start, len(unique), sum(len(s.prompt) for s in unique))
         return updates
+
+    def _run_prompts(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Past,
+                     last_only: bool) -> tuple[Any, Past]:
+        """A prefill call (or a chunk of one); with last_only, one row of logits per prompt where the backend can
+        (keeps_last_logits: the LM head and SegLU over a whole prompt are wasted work), else T rows."""
+        if last_only and getattr(self.backend, "keeps_last_logits", False):
+            return self.backend.run_text(ids, mask, positions, past, last_only=True)  # type: ignore[call-arg]
+        return self.backend.run_text(ids, mask, positions, past)
 
     def _join(self, seqs: list[GenSequence], index: list[int], last_logits: Any, presents: Past, mask: np.ndarray,
               prompt_lps: list[TokenLogprobs | None]) -> list[_Update]:

@@ -75,6 +75,7 @@ class TextBackend(Backend):
     keeps_last_logits: bool = False
     # How rows of the cache are padded (service.engine.kvcache: "left-padded" or "right-padded").
     cache_layout: str = "left-padded"
+    reserved: int = 0  # the decode loop's last `reserve` hint (0: none)
 
     @abstractmethod
     def run_text(
@@ -89,9 +90,10 @@ class TextBackend(Backend):
 
     def reserve(self, positions: int) -> None:
         """The decode loop's hint: the running rows may reach `positions` cache positions (their prompts and the
-        tokens they may still ask for). A backend whose cache buffers grow sizes its next growth to it, so a batch
-        copies its cache once instead of at every doubling (onnxruntime-genai sizes its buffers to max_length up
-        front)."""
+        tokens they may still ask for). A backend whose cache buffers grow sizes its next growth to it
+        (`grown_length(total, self.reserved, context)`), so a batch copies its cache once instead of at every
+        doubling (onnxruntime-genai sizes its buffers to max_length up front); the others ignore it."""
+        self.reserved = positions
 
     def to_numpy(self, logits: Any) -> np.ndarray:
         """Logits in the backend's array type -> float32 numpy (what the protocols see)."""

@@ -125,10 +125,6 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         self.grows_in_place = grows_cache_in_place(self.model)  # a past with room is worth handing it
         spec = self.checkpoint.spec()
         self.context = spec.context_length if isinstance(spec, TextSpec) else 0  # 0: unknown
-        self._reserved = 0  # positions the running rows may reach (reserve)
-
-    def reserve(self, positions: int) -> None:
-        self._reserved = positions
 
     def _with_room(self, past: Past, total: int) -> Past:
         """A decode step's past, where it has no room for the step's `total` positions: views of buffers sized
@@ -136,9 +132,9 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         this step and the next ones in place instead of doubling (64, 128, ... positions: one whole-cache copy
         each). Without a hint beyond `total`, extend's doubling as before. The room is left unwritten (extend
         writes a position before anything reads it), so it costs address space, not memory, until used."""
-        if not past or self._reserved <= total or capacity(past[0][0]) >= total:
+        if not past or self.reserved <= total or capacity(past[0][0]) >= total:
             return past
-        size = grown_length(total, self._reserved, self.context)
+        size = grown_length(total, self.reserved, self.context)
 
         def grown(t: torch.Tensor) -> torch.Tensor:
             buffer = t.new_empty((*t.shape[:2], size, t.shape[3]))
