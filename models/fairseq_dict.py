@@ -198,6 +198,15 @@ class FairseqTokenizer:
     def pad_id(self) -> int:
         return int(self.entry.get("pad_id", PAD))
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def tokenizer_json(self) -> str | None:
+        """None: a word is " word" here, not what the tokenizer.json decodes, so a grammar engine reads the
+        byte table."""
+        return None
+
     def encode(self, text: str, bos: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text).ids)  # begins with </s> either way: fairseq's LM input
 

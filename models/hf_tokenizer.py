@@ -34,6 +34,7 @@ class HFTokenizer:
         self.config = dict(config)
         self.chat_template = chat_template
         self.source = source
+        self._vocab_size: int | None = None
         self.special: dict[str, str | None] = {
             name: _token_text(config.get(f"{name}_token")) for name in ("bos", "eos", "pad", "unk")
         }
@@ -66,7 +67,12 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        """The number of ids (the largest id + 1), not of pieces: a tokenizer may name one id several times (the
+        genai form of a fairseq dictionary spells unknown bytes as `<0xXX>` aliases of `<unk>`)."""
+        if self._vocab_size is None:
+            ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+            self._vocab_size = max(ids, default=-1) + 1
+        return self._vocab_size
 
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)

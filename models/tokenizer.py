@@ -37,6 +37,14 @@ class ByteTokenizer:
     def pad_id(self) -> int:
         return self.special_tokens["<|pad|>"]
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def tokenizer_json(self) -> str | None:
+        """No tokenizer.json: a grammar engine indexes the byte table (`decode_bytes` of each id) instead."""
+        return None
+
     def encode(self, text: str, bos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if bos else ids
@@ -107,6 +115,16 @@ class TextTokenizer(Protocol):
 
     @property
     def pad_id(self) -> int: ...
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence (a Hugging Face generation_config.json may name several)."""
+        ...
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer.json text a grammar engine can index itself (byte-level BPE, metaspace, added tokens),
+        or None: then each id's `decode_bytes` is its text."""
+        ...
 
     def encode(self, text: str, bos: bool = False) -> list[int]: ...
 

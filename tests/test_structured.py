@@ -21,6 +21,7 @@ from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
 from service.base.config import Settings
 from service.edge.app import create_app
+from service.engine.hf_text import HFTextTokenizer
 from service.protocols.structured import GrammarProcessor, StructuredOutputError, processors_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
@@ -29,8 +30,9 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
 
 
 @pytest.fixture(scope="module")
-def hf_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
-    """A tiny byte-level BPE tokenizer.json (multi-byte tokens: a grammar must cross token boundaries)."""
+def hf_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTextTokenizer:
+    """A tiny byte-level BPE tokenizer.json (multi-byte tokens: a grammar must cross token boundaries), as the
+    server holds it (HFTextTokenizer: the same wrapper every Hugging Face folder is served through)."""
     folder = tmp_path_factory.mktemp("tok")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -41,7 +43,7 @@ def hf_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
                             trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return HFTokenizer.from_folder(folder)
+    return HFTextTokenizer(HFTokenizer.from_folder(folder))
 
 
 def random_model(vocab: int, seed: int) -> Callable[[list[int]], torch.Tensor]:
@@ -78,7 +80,7 @@ def generate(proc: Any, model: Callable[[list[int]], torch.Tensor], eos: Sequenc
 
 @pytest.mark.parametrize("kind", ["byte", "hf"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_model_is_driven_to_schema_valid_json(kind: str, seed: int, hf_tok: HFTokenizer) -> None:
+def test_random_model_is_driven_to_schema_valid_json(kind: str, seed: int, hf_tok: HFTextTokenizer) -> None:
     tok: Any = ByteTokenizer() if kind == "byte" else hf_tok
     eos = [tok.eos_id] if kind == "byte" else list(tok.eos_ids)
     (proc,) = processors_for({"response_format": {"type": "json_schema", "json_schema": {
@@ -91,7 +93,7 @@ def test_random_model_is_driven_to_schema_valid_json(kind: str, seed: int, hf_to
 
 
 @pytest.mark.parametrize("kind", ["byte", "hf"])
-def test_json_object_choice_and_regex(kind: str, hf_tok: HFTokenizer) -> None:
+def test_json_object_choice_and_regex(kind: str, hf_tok: HFTextTokenizer) -> None:
     tok: Any = ByteTokenizer() if kind == "byte" else hf_tok
     eos = [tok.eos_id] if kind == "byte" else list(tok.eos_ids)
     model = random_logits(tok.vocab_size, 5)
@@ -234,10 +236,11 @@ def test_fields_that_change_nothing_pass(client: TestClient) -> None:
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
 
 
-def test_tokenizer_without_eos_is_a_400(hf_tok: HFTokenizer) -> None:
+def test_tokenizer_without_eos_is_a_400(hf_tok: HFTextTokenizer) -> None:
     from service.base.errors import ServiceError
 
-    no_eos = HFTokenizer(hf_tok.tokenizer, {}, None)  # a tokenizer.json whose config names no end token
+    # a tokenizer.json whose config names no end token
+    no_eos = HFTextTokenizer(HFTokenizer(hf_tok.hf.tokenizer, {}, None))
     with pytest.raises(ServiceError) as info:
         processors_for({"guided_regex": "a+"}, no_eos)
     assert info.value.status == 400 and info.value.param == "guided_regex"

@@ -79,6 +79,12 @@ class HFTextTokenizer:
         """-1 when the tokenizer has none."""
         return -1 if self.hf.pad_id is None else int(self.hf.pad_id)
 
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer.json, unless it names an id more than once (the genai form of a fairseq dictionary):
+        a grammar engine indexes pieces, so such a tokenizer goes by each id's decoded bytes instead."""
+        pieces = self.hf.tokenizer.get_vocab_size(with_added_tokens=True)
+        return str(self.hf.tokenizer.to_str()) if pieces == self.vocab_size else None
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=bos)
 

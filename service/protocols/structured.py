@@ -21,6 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
+from models.tokenizer import TextTokenizer
 from service.base.errors import bad_request
 from service.engine.sampler import LogitsProcessor
 
@@ -38,10 +39,14 @@ class StructuredOutputError(RuntimeError):
 # ---- tokenizers -----------------------------------------------------------------------------------------
 
 
+# What a grammar's literal text needs as tokens of their own: tab, newline, carriage return and printable ASCII.
+SPELLING_BYTES = (9, 10, 13, *range(32, 127))
+
+
 class _TokenTable:
     """A tokenizer as llguidance's TokenizerWrapper wants it: each id's bytes, specials by name, encode."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         size = int(tokenizer.vocab_size)
         self.tokens: list[bytes] = []
@@ -52,39 +57,52 @@ class _TokenTable:
                 self.special_token_ids.append(i)
                 data = tokenizer.decode([i], skip_special=False).encode("utf-8") or f"<special_{i}>".encode()
             self.tokens.append(data)
+        spelled = {t for t in self.tokens if len(t) == 1}
+        missing = [b for b in SPELLING_BYTES if bytes([b]) not in spelled]
+        if missing:  # a word-level dictionary: a grammar's literal text could not be written token by token
+            raise ValueError(f"its vocabulary has no token for {len(missing)} of the {len(SPELLING_BYTES)} ASCII "
+                             f"characters (e.g. {bytes([missing[0]])!r}), so it cannot spell a grammar's text "
+                             "(a word-level dictionary)")
         self.eos_token_id = tokenizer.eos_id
-        self.bos_token_id = tokenizer.bos_id
+        self.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None  # -1: the tokenizer has none
         self._specials = set(self.special_token_ids)
 
     def __call__(self, text: str) -> list[int]:
         return [t for t in self._tokenizer.encode(text) if t not in self._specials]
 
 
-def _lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    hf: Any = getattr(tokenizer, "tokenizer", None)
-    if getattr(tokenizer, "type", None) == "hf" and hasattr(hf, "to_str"):
+def _lltokenizer(tokenizer: TextTokenizer) -> llguidance.LLTokenizer:
+    eos = [i for i in tokenizer.eos_ids if i is not None and i >= 0]
+    if not eos:
+        raise ValueError("the model's tokenizer has no end-of-sequence token, so a grammar cannot end the output")
+    text = tokenizer.tokenizer_json()
+    if text is not None:
         # A tokenizer.json: llguidance reads it itself (byte-level BPE, metaspace, added tokens).
         from tokenizers import Tokenizer
 
-        copy = Tokenizer.from_str(hf.to_str())
+        copy = Tokenizer.from_str(text)
         copy.no_padding()
         copy.no_truncation()
-        eos = [i for i in (getattr(tokenizer, "eos_ids", ()) or [tokenizer.eos_id]) if i is not None]
-        if not eos:
-            raise ValueError("the model's tokenizer has no end-of-sequence token, so a grammar cannot end the output")
         return llguidance.LLTokenizer(copy.to_str(), n_vocab=int(tokenizer.vocab_size), eos_token=eos)
     # The byte tokenizer (and a fairseq dictionary's): every id's bytes are known.
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)))
 
 
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer | ValueError] = weakref.WeakKeyDictionary()
 
 
 def lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    """The llguidance tokenizer of a served tokenizer, built once (it indexes the whole vocabulary)."""
+    """The llguidance tokenizer of a served tokenizer, built once (it indexes the whole vocabulary); a tokenizer
+    that cannot have one raises the same ValueError every time without indexing it again."""
     found = _TOKENIZERS.get(tokenizer)
     if found is None:
-        found = _TOKENIZERS[tokenizer] = _lltokenizer(tokenizer)
+        try:
+            found = _lltokenizer(tokenizer)
+        except ValueError as exc:
+            found = exc
+        _TOKENIZERS[tokenizer] = found
+    if isinstance(found, ValueError):
+        raise found
     return found
 
 
