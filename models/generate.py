@@ -89,7 +89,7 @@ def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
 
 def _concatenates(tokenizer: Detokenizer) -> bool:
     """Whether the bytes of tokens a + b are a's then b's: the byte tokenizer's (its ids are bytes), and any that
-    says so (`concatenates`: service.engine.hf_text's byte-level BPE)."""
+    says so (`concatenates`: models.hf_text's byte-level BPE)."""
     return isinstance(tokenizer, ByteTokenizer) or bool(getattr(tokenizer, "concatenates", False))
 
 

@@ -377,6 +377,6 @@ def load_folder(path: str | Path) -> tuple[Llama, HFFolder]:
 
 def folder_checkpoint(info: HFFolder) -> Checkpoint:
     """The checkpoint record of a loaded folder (architecture, config, tokenizer summary; the weights stay in the
-    model): what an export's metadata is made from."""
-    return Checkpoint(arch=ARCH, config=info.config.to_dict(), state_dict={}, tokenizer=info.tokenizer.to_dict(),
+    model): what an export's metadata is made from, the whole tokenizer included (a single .onnx serves alone)."""
+    return Checkpoint(arch=ARCH, config=info.config.to_dict(), state_dict={}, tokenizer=info.tokenizer.to_entry(),
                       meta={"source_layout": f"Hugging Face {info.architecture}"})

@@ -120,6 +120,27 @@ class HFTokenizer:
         except TemplateError as exc:
             raise ValueError(f"{self.source}: chat template failed: {exc}") from None
 
+    def to_entry(self) -> dict[str, Any]:
+        """The whole tokenizer as a checkpoint's or an ONNX file's `tokenizer` entry (`from_entry` reads it back):
+        the summary, the tokenizer.json, its config and chat template, so a single exported file serves alone."""
+        return {**self.to_dict(), "tokenizer_json": json.loads(self.tokenizer.to_str()), "config": self.config,
+                "chat_template_text": self.chat_template}
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any]) -> HFTokenizer:
+        """The tokenizer a `to_entry` entry holds (ValueError for one without its tokenizer.json: a summary)."""
+        data, config = entry.get("tokenizer_json"), entry.get("config")
+        if not isinstance(data, dict) or not isinstance(config, dict):
+            raise ValueError("the 'hf' tokenizer entry holds no tokenizer.json (a file exported before single files "
+                             "carried their tokenizer: export it again)")
+        try:
+            tokenizer = Tokenizer.from_str(json.dumps(data))
+        except Exception as exc:  # the Rust library raises its own exception type for any bad file
+            raise ValueError(f"unusable tokenizer.json in the tokenizer entry ({_first_line(exc)})") from None
+        template = entry.get("chat_template_text")
+        eos_ids = [int(i) for i in entry.get("eos_ids") or [] if isinstance(i, int)]
+        return cls(tokenizer, config, template if isinstance(template, str) else None, eos_ids, "tokenizer entry")
+
     def to_dict(self) -> dict[str, Any]:
         """A summary (for `python -m models info` and metadata): the file's identity, not its vocabulary."""
         return {"type": self.type, "vocab_size": self.vocab_size, "bos": self.special["bos"], "bos_id": self.bos_id,

@@ -157,7 +157,10 @@ def complete(spec: ModelSpec, labels: list[str] | None = None, preprocess: Mappi
         tok = tokenizer_from_dict(dict(tokenizer))
     except (TypeError, ValueError, KeyError):  # an unusable entry: the service refuses it with its own reason
         return dataclasses.replace(spec, tokenizer=tokenizer)
-    return dataclasses.replace(spec, tokenizer=tokenizer, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    def known(i: int) -> int | None:  # a Hugging Face tokenizer says -1 for an id it has none of
+        return None if i < 0 else i
+    return dataclasses.replace(spec, tokenizer=tokenizer, bos_id=known(tok.bos_id), eos_id=known(tok.eos_id),
+                               pad_id=known(tok.pad_id))
 
 
 def spec_of(arch: str, config: Mapping[str, Any], labels: list[str] | None = None,

@@ -141,4 +141,9 @@ def tokenizer_from_dict(d: dict[str, Any]) -> TextTokenizer:
         from models.fairseq_dict import FairseqTokenizer  # tokenizers is imported only for such models
 
         return FairseqTokenizer.from_dict(d)
+    if d.get("type") == "hf":  # a Hugging Face folder's, carried whole by its export
+        from models.hf_text import HFTextTokenizer
+        from models.hf_tokenizer import HFTokenizer
+
+        return HFTextTokenizer(HFTokenizer.from_entry(d))
     return ByteTokenizer.from_dict(d)

@@ -209,8 +209,8 @@ def test_stop_match_on_the_last_tokens_answers_as_on_the_whole_text() -> None:
     the whole text, for stops inside, across and at the edges of tokens, among special tokens (no bytes), for
     the byte tokenizer and the demo LLM's byte-level BPE (multi-byte tokens, one holding a stop and more)."""
     from models.demo import DEMO_DIR
+    from models.hf_text import HFTextTokenizer
     from models.hf_tokenizer import HFTokenizer
-    from service.engine.hf_text import HFTextTokenizer
 
     rng = random.Random(0)
     byte = ByteTokenizer()

@@ -3,7 +3,7 @@ PyTorch backend, models.hf_folder) and an onnxruntime-genai folder (genai_config
 ONNX Runtime backend, export.genai_folder). Either is served under the folder's name, as version 1, or as a
 numbered version directory inside `name/` (Triton's layout), beside the model files.
 
-Both carry a real tokenizer (service.engine.hf_text) and, where tokenizer_config.json has one, a chat template.
+Both carry a real tokenizer (models.hf_text) and, where tokenizer_config.json has one, a chat template.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from models import registry as architectures
 from models.checkpoint import Checkpoint
+from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
 from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
@@ -30,7 +31,6 @@ from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
 from service.engine.entry import ModelEntry
-from service.engine.hf_text import HFTextTokenizer
 from service.engine.tasks import served
 
 HF_FOLDER, GENAI_FOLDER = "hf-folder", "genai-folder"

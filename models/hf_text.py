@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
-from models.hf_tokenizer import HFTokenizer
+from .hf_tokenizer import HFTokenizer
 
 
 @lru_cache(maxsize=1)
