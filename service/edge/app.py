@@ -20,7 +20,7 @@ from service.edge.auth import ApiKeyAuth, OpenPaths
 from service.edge.crosssite import CrossSiteGuard
 from service.edge.docs import install_docs
 from service.edge.handlers import install_handlers
-from service.edge.middleware import BodyLimit, GraceExpiry, ServerTiming
+from service.edge.middleware import BodyLimit, ContainErrors, GraceExpiry, ServerTiming
 from service.engine.registry import load_models
 from service.engine.runtime import Runtimes
 from service.protocols import chat_api, classify, control, kserve, openai_api
@@ -85,7 +85,9 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    # Outermost first: Server-Timing sees every response, including a 413 from the body limit.
+    # Innermost first: an unhandled exception is a 500 that keeps the connection; Server-Timing sees every
+    # response, including a 413 from the body limit.
+    app.add_middleware(ContainErrors)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(ServerTiming)
     app.add_middleware(GraceExpiry)

@@ -81,5 +81,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
+        # Reached only by an exception outside service.edge.middleware.ContainErrors (in a middleware): Starlette
+        # re-raises it after this response and uvicorn then drops the connection, so the response says so.
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}", code="internal_error",
+                              headers={"Connection": "close"})

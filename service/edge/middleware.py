@@ -6,6 +6,8 @@
   read, or while it streams in when no length was declared; a body that takes longer than its time
   limit to arrive gets 408; a client that disconnects while uploading ends its request as cancelled
   (499, counted as `cancelled`), not as a server error.
+* `ContainErrors` (innermost): an exception no handler took is the app's JSON 500 here, and the keep-alive
+  connection stays usable (see the class).
 * `GraceExpiry`: when uvicorn's shutdown grace period runs out it cancels the requests still running;
   one not yet answered gets the documented JSON 503, a running stream ends with an error event.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.base.errors import error_response, openai_body
 from service.protocols.endpoint import count_refused
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -165,3 +170,30 @@ class GraceExpiry(HttpMiddleware):
                 await send({"type": "http.response.body", "body": event, "more_body": False})
             else:
                 raise
+
+
+class ContainErrors(HttpMiddleware):
+    """An exception that no exception handler took, answered as the app's JSON 500 inside the middleware stack.
+
+    Left to Starlette's outermost error middleware, the same 500 is sent and the exception then re-raised, and
+    uvicorn closes the keep-alive connection without having said `Connection: close`: a client's next request on
+    it fails with a connection error. Answered here, nothing is re-raised and the connection serves on. An
+    exception after the response started (a stream) still propagates: the body is cut, the connection must end."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            response = error_response(str(scope.get("path", "")), 500, f"internal error: {type(exc).__name__}",
+                                      code="internal_error")
+            await response(scope, receive, send)
