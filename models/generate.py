@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -93,32 +94,48 @@ def _concatenates(tokenizer: Detokenizer) -> bool:
     return isinstance(tokenizer, ByteTokenizer) or bool(getattr(tokenizer, "concatenates", False))
 
 
-def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detokenizer) -> int | None:
-    """If the decoded tokens end with a stop sequence, how many tokens to keep (stop removed); else None.
+@dataclass(frozen=True)
+class StopHit:
+    """Where a stop sequence was found: how many tokens to keep (those wholly before it) and the bytes a token
+    that straddles the stop's start held before it (the text keeps them: it ends exactly before the stop)."""
+
+    keep: int
+    tail: bytes = b""
+
+
+def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detokenizer) -> StopHit | None:
+    """Whether the last token completed a stop sequence anywhere in the text (inside that token too, with text
+    after it in the same token), and where: the earliest such stop ends the text. Only what the last token can
+    have completed is searched (its bytes and the longest stop's length before them): earlier stops ended the
+    text when they appeared.
 
     A tokenizer whose bytes concatenate (`concatenates`: the text of a + b is a's then b's, as byte-level ones)
-    has only its last tokens decoded, as many as hold the longest stop, so the check costs the same at the
-    2,000th token as at the 10th (decoding the whole text each step cost the demo LLM 316 us a sequence and step
-    at 2,000 tokens). Other tokenizers decode the whole text, which they need for its spacing."""
-    if not stops:
+    has only its last tokens decoded, as many as hold the longest stop before the last one, so the check costs the
+    same at the 2,000th token as at the 10th (decoding the whole text each step cost the demo LLM 316 us a sequence
+    and step at 2,000 tokens). Other tokenizers decode the whole text, which they need for its spacing."""
+    if not stops or not tokens:
         return None
+    longest = max(map(len, stops))
     start = 0
     if _concatenates(tokenizer):
-        longest, held, start = max(map(len, stops)), 0, len(tokens)
-        while start and held < longest:
+        held, start = 0, len(tokens) - 1
+        while start and held < longest - 1:
             start -= 1
             held += len(tokenizer.decode_bytes(tokens[start:start + 1]))
     tail = tokens[start:]
     text = tokenizer.decode_bytes(tail)
-    for s in stops:
-        if text.endswith(s):
-            cut = len(text) - len(s)
-            keep = len(tail)
-            # Drop tokens until none of the stop's bytes remain (a token straddling the cut goes too).
-            while keep and len(tokenizer.decode_bytes(tail[:keep])) > cut:
-                keep -= 1
-            return start + keep
-    return None
+    since = max(0, len(tokenizer.decode_bytes(tail[:-1])) - longest + 1)
+    found = [i for i in (text.find(s, since) for s in stops) if i >= 0]
+    if not found:
+        return None
+    cut = min(found)
+    keep = len(tail)
+    # Drop tokens until none of the stop's bytes remain (a token straddling the cut goes too; its bytes before
+    # the cut are the hit's tail).
+    while keep and len(kept := tokenizer.decode_bytes(tail[:keep])) > cut:
+        keep -= 1
+    kept = tokenizer.decode_bytes(tail[:keep])
+    return StopHit(start + keep, text[len(kept):cut] if text.startswith(kept) else b"")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) -> tuple[Tensor, Tensor]:
@@ -219,9 +236,9 @@ def generate(
                     done[row] = True
                     continue
                 outputs[row].append(tok)
-                keep = stop_match(outputs[row], stops, tokenizer)
-                if keep is not None:
-                    del outputs[row][keep:]
+                hit = stop_match(outputs[row], stops, tokenizer)
+                if hit is not None:
+                    del outputs[row][hit.keep:]
                     done[row] = True
             if all(done) or step == budget - 1:
                 break

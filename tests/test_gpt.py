@@ -229,6 +229,40 @@ def test_stop_match_on_the_last_tokens_answers_as_on_the_whole_text() -> None:
         assert found > 100, found  # the stops were met often, not only missed
 
 
+def test_stop_inside_a_token_with_text_after_it_ends_the_text_exactly_before_it() -> None:
+    """Token by token, as the decode loop calls it, the first hit ends the text exactly where the whole text's
+    earliest stop starts, also when the stop lies inside the last token with text after it (` function` and a
+    stop `unc`; a stop `ju` inside a token `jum` went unseen before: only a text ending with the stop was one)."""
+    from models.demo import DEMO_DIR
+    from models.hf_text import HFTextTokenizer
+    from models.hf_tokenizer import HFTokenizer
+
+    bpe = HFTextTokenizer(HFTokenizer.from_folder(DEMO_DIR / "llama_seglu"))
+    [function] = bpe.encode(" function", bos=False)
+    hit = stop_match([bpe.encode("a", bos=False)[0], function], [b"unc"], bpe)
+    assert hit is not None and hit.keep == 1 and hit.tail == b" f"
+    rng = random.Random(1)
+    words = [bpe.encode(w, bos=False)[0] for w in ("a", "b", " the", "ab", " function", "e", "\n")]
+    stop_sets = [(b"nc",), (b"ea", b"he f"), (b"b t",), (b"on\na",)]
+    checked = 0
+    for _ in range(2000):
+        tokens = [rng.choice(words) for _ in range(rng.randrange(1, 12))]
+        stops = rng.choice(stop_sets)
+        whole = bpe.decode_bytes(tokens)
+        starts = [i for i in (whole.find(s) for s in stops) if i >= 0]
+        for n in range(1, len(tokens) + 1):
+            hit = stop_match(tokens[:n], stops, bpe)
+            if hit is not None:
+                break
+        if not starts:
+            assert hit is None
+            continue
+        assert hit is not None, (tokens, stops)
+        assert bpe.decode_bytes(tokens[:hit.keep]) + hit.tail == whole[:min(starts)], (tokens, stops)
+        checked += 1
+    assert checked > 100
+
+
 def test_context_limits() -> None:
     model = tiny_model()
     block = model.config.block_size

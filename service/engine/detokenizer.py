@@ -16,7 +16,6 @@ tokens its sent text covers (a stream's logprobs go with its text).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded before the first generated one (as vLLM's initial offset)
 REPLACEMENT = "\ufffd"
@@ -94,15 +93,3 @@ class IncrementalDetokenizer:
             if chars <= self.sent:
                 return n
         return 0
-
-
-def stop_tail(tokens: Sequence[int], keep: int, stops: Sequence[bytes], tokenizer: Any) -> bytes:
-    """The bytes between tokens[:keep] and the stop string `tokens` end with: what a token straddling the stop's
-    start held before it (the decode loop drops the whole token; the text keeps these, as vLLM's does)."""
-    data = tokenizer.decode_bytes(tokens)
-    for stop in stops:
-        if stop and data.endswith(stop):
-            kept = tokenizer.decode_bytes(tokens[:keep])
-            cut = len(data) - len(stop)
-            return data[len(kept):cut] if data.startswith(kept) and cut > len(kept) else b""
-    return b""

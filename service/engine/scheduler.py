@@ -38,7 +38,6 @@ from service.base.health import Health
 from service.base.metrics import Metrics
 from service.engine import kvcache
 from service.engine.backends.base import Past, TextModel
-from service.engine.detokenizer import stop_tail
 from service.engine.engine_errors import EngineError, ModelFailed, QueueFull, ShuttingDown
 from service.engine.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
 
@@ -764,11 +763,11 @@ class TextScheduler:
                     row.logprobs.chosen.append(chosen)
                     row.logprobs.top.append(top)
                 # Stop strings count from min_tokens on (vLLM: no stop check before min_tokens).
-                keep = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
-                if keep is not None:
-                    row.stop_tail = stop_tail(row.tokens, keep, p.stop, tok)
-                    del row.tokens[keep:]
-                    row.logprobs.truncate(keep)
+                hit = stop_match(row.tokens, p.stop, tok) if row.generated >= p.min_tokens else None
+                if hit is not None:
+                    row.stop_tail = hit.tail
+                    del row.tokens[hit.keep:]
+                    row.logprobs.truncate(hit.keep)
                     row.finish_reason = "stop"
             if row.finish_reason is None and (row.generated >= p.max_tokens
                                               or len(row.seq.prompt) + row.generated >= self.context_length):
