@@ -8,6 +8,7 @@ import sys
 
 import uvicorn
 
+from models.console import run
 from service.base.config import load_settings
 from service.base.logs import configure_logging
 from service.edge.slowclient import header_timeout_protocol
@@ -65,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -1,5 +1,6 @@
 import sys
 
 from benchmarks.loadtest.cli import main
+from models.console import run
 
-sys.exit(main())
+sys.exit(run(main))

@@ -1,5 +1,6 @@
 import sys
 
+from models.console import run
 from models.training.cli import main
 
-sys.exit(main())
+sys.exit(run(main))

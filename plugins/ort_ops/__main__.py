@@ -9,6 +9,7 @@ import sys
 
 import onnxruntime as ort
 
+from models.console import run
 from plugins.ort_ops import ATTENTION_OPS, MULTIMAX_OPS, OPS, library
 
 
@@ -50,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from models.console import run
 from service.edge.ray.__main__ import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from models.console import run
 from service.base.config import Settings
 from service.base.logs import configure_logging
 from service.edge.ray.options import PROG, parse
@@ -90,4 +91,4 @@ def tls_options(settings: Settings) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))
