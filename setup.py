@@ -6,6 +6,12 @@ compiler, no onnxruntime headers and no writable cache. The headers are found or
 time (plugins/ort_ops/headers.py: ORT_INCLUDE_DIR, an installed libonnxruntime-dev, or Debian's package).
 Editable installs (`pip install -e .`) skip this and stay quick: a checkout builds the library on first
 use. MULTIMAX_BUILD_ORT_OPS=0 builds a pure wheel without the library (it is then built on first use).
+
+An editable install also puts the checkout on sys.path (`EditableWithCheckout`): setuptools' own editable hook
+for this flat layout is an import finder consulted after sys.path, so a `models/` (or `export/`, `service/`,
+`plugins/`) folder of user files in the working directory, a namespace package, shadowed the project's
+package and `python -m service` failed there. Python prefers a regular package found anywhere on sys.path to
+namespace portions, which is also why an installed wheel (its packages in site-packages) has no such problem.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import sys
 import types
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from setuptools import Distribution, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 from setuptools.errors import ExecError
 
 ROOT = Path(__file__).resolve().parent
@@ -80,4 +88,40 @@ class PlatformWheel(bdist_wheel):
         return (python, abi, platform) if self.root_is_pure else ("py3", "none", platform)
 
 
-setup(distclass=WithLibrary, cmdclass={"build_py": BuildPyWithOrtOps, "bdist_wheel": PlatformWheel})
+class _AlsoTheCheckout:
+    """setuptools' editable strategy, then one more .pth file in the wheel: the checkout root, one line."""
+
+    def __init__(self, strategy: Any, name: str) -> None:
+        self.strategy, self.name = strategy, name
+
+    def __enter__(self) -> _AlsoTheCheckout:
+        self.strategy.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.strategy.__exit__(*exc)
+
+    def __call__(self, wheel: Any, files: list[str], mapping: dict[str, str]) -> None:
+        self.strategy(wheel, files, mapping)
+        wheel.writestr(f"__editable__.{self.name}.checkout.pth", f"{ROOT}\n".encode())
+
+
+class EditableWithCheckout(editable_wheel):
+    """`pip install -e .`: setuptools' editable wheel plus the checkout root on sys.path, after site-packages.
+
+    Not a src layout, so setuptools maps the four packages with a finder that Python asks only after sys.path,
+    where a working directory's namespace folder `models/` already answered. With the root on sys.path the path
+    search itself finds the regular packages, which win over namespace portions (as an installed wheel's do).
+    The root's other names (benchmarks, tests) become importable too. `_select_strategy` is setuptools' hook
+    (private, present since setuptools 64); were it renamed, the install would work as before, unfixed, and
+    tests/test_cwd_shadowing.py would say so.
+    """
+
+    def _select_strategy(self, name: str, tag: str, build_lib: Any) -> Any:
+        return _AlsoTheCheckout(super()._select_strategy(name, tag, build_lib), name)
+
+
+setup(
+    distclass=WithLibrary,
+    cmdclass={"build_py": BuildPyWithOrtOps, "bdist_wheel": PlatformWheel, "editable_wheel": EditableWithCheckout},
+)
