@@ -1,8 +1,8 @@
 """`python -m export CKPT`: a validated ONNX file with MultiMax as one fused node per use.
 
-A thin command line over `export.pipeline.export_checkpoint`. Exit codes: 0 exported (and validated),
-1 a validation tolerance was missed (the report says which), 2 bad input (missing or broken checkpoint,
-unsupported model, unwritable output).
+A thin command line over `export.pipeline.export_checkpoint`. Exit codes: 0 exported (and validated; also when
+a check could not run, which the verdict names: `passed (1 check skipped: ...)`), 1 a validation tolerance was
+missed (the report says which), 2 bad input (missing or broken checkpoint, unsupported model, unwritable output).
 """
 
 from __future__ import annotations

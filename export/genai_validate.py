@@ -186,7 +186,9 @@ def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
     try:
         import onnxruntime_genai as og
     except ImportError as exc:
-        return {"checked": False, "reason": f"onnxruntime-genai is not installed ({exc})"}, []
+        # a check that did not run: the export's verdict names it ("skipped", export.summary.skipped_checks)
+        return {"checked": False, "reason": f"onnxruntime-genai is not installed ({exc})",
+                "skipped": "onnxruntime-genai not installed"}, []
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -215,7 +217,8 @@ def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
                 kind = json.loads((folder / "tokenizer.json").read_text())["model"]["type"]
                 report["tokenizer"] = {"checked": False, "model": kind,
                                        "reason": f"onnxruntime-genai's tokenizer cannot read a {kind} tokenizer.json "
-                                                 f"({str(exc).strip()[:80]}); give it token ids"}
+                                                 f"({str(exc).strip()[:80]}); give it token ids",
+                                       "skipped": f"onnxruntime-genai's tokenizer cannot read a {kind} tokenizer.json"}
                 return report, failures
             config = json.loads((folder / "tokenizer_config.json").read_text())
             if config.get(FAIRSEQ_WORDS):

@@ -25,7 +25,7 @@ from export.genai_folder import MODEL_FILE, REPORT_FILE, check_folder_target, is
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.precision import Precision
 from export.progress import Phases, exporter_stages
-from export.summary import summary, verdict
+from export.summary import skipped_checks, summary, verdict
 from export.tasks import export_task
 from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
@@ -103,8 +103,13 @@ class ExportReport:
         return list(self.data["problems"])
 
     @property
+    def skipped(self) -> list[dict[str, str]]:
+        """The checks that could not run (export.summary.skipped_checks); the verdict names them."""
+        return list(self.data.get("skipped", []))
+
+    @property
     def exit_code(self) -> int:
-        """0 passed (or reported / not validated), 1 a tolerance was missed."""
+        """0 passed (also with a check skipped, or reported / not validated), 1 a tolerance was missed."""
         return 0 if self.passed else 1
 
 
@@ -218,7 +223,8 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
             report["engine"] = build_trt_engine(out, fp16=precision == "fp16")
         problems += [report["engine"]["error"]] if "error" in report["engine"] else []
     report["problems"] = problems
-    report["passed"] = not problems
+    report["passed"] = not problems  # a skipped check (below) is no problem: exit code 0, the verdict names it
+    report["skipped"] = skipped_checks(report)
     report["verdict"] = verdict(report)
     report["phase_seconds"] = {name: round(t, 2) for name, t in phases.times.items()}
     report_path = folder / REPORT_FILE if folder else out.with_name(out.name.removesuffix(".onnx") + ".validation.json")

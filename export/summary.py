@@ -30,21 +30,51 @@ def _graph_line(report: dict) -> str:
     return f"{g['multimax_nodes']} {kind} nodes ({where}): {', '.join(g['custom_nodes'])}"
 
 
+FUSED_SKIPPED = "fused ops library unavailable"
+
+
+def skipped_checks(report: dict) -> list[dict[str, str]]:
+    """The validation's checks that did not run, each {"check", "skipped" (the verdict's words), "reason"}: the
+    fused ops of a graph that has them, not compared with their bodies (export.fused_check without its library),
+    and a part of the report that says `skipped` (export.genai_validate without onnxruntime-genai, or with a
+    tokenizer it cannot read). A graph without fused nodes (no MultiMax, --inline) has no fused check to skip."""
+    v = report.get("validation")
+    if not v:
+        return []
+    out = []
+    fused = v.get("fused_ops")
+    if fused is not None and not fused["in_use"] and report["graph"]["multimax_nodes"]:
+        out.append({"check": "fused ops", "skipped": FUSED_SKIPPED, "reason": fused["reason"]})
+    genai = v.get("genai") or {}
+    for check, part in (("onnxruntime-genai", genai), ("onnxruntime-genai tokenizer", genai.get("tokenizer"))):
+        if isinstance(part, dict) and part.get("skipped"):
+            out.append({"check": check, "skipped": part["skipped"], "reason": part.get("reason", "")})
+    return out
+
+
+def _skips(skipped: list[dict[str, str]]) -> str:
+    """What the verdict says of them, e.g. `1 check skipped: onnxruntime-genai not installed`."""
+    count = f"{len(skipped)} check{'s' if len(skipped) != 1 else ''} skipped"
+    return f"{count}: {'; '.join(s['skipped'] for s in skipped)}"
+
+
 def verdict(report: dict) -> str:
-    """One honest line: "passed" only when the enforced limits were checked and held."""
+    """One honest line: "passed" only when the enforced limits were checked and held, "passed (1 check skipped:
+    onnxruntime-genai not installed)" when one could not run (`report["skipped"]`; still exit code 0)."""
     if report["problems"]:
         return "FAILED: " + "; ".join(report["problems"])
     v = report.get("validation")
     if not v:
         return "not validated (--no-validate): graph checked only"
+    skipped = report.get("skipped", [])
     tol = v["tolerance"]
     if tol["logits_atol"] is None and tol["top1_min"] is None:
         key = export_task(report["arch"]).agreement_key
         worst = min(v[level][key] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         worst_diff = max(v[level]["max_abs"] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, "
-                f"max|diff| {worst_diff:.2g} (no NaN: checked)")
-    return "passed"
+                f"max|diff| {worst_diff:.2g} (no NaN: checked)" + (f"; {_skips(skipped)}" if skipped else ""))
+    return f"passed ({_skips(skipped)})" if skipped else "passed"
 
 
 def summary(report: dict, report_path: Path, phases: Phases) -> str:

@@ -36,7 +36,9 @@ class Tolerance:
     logits_atol: float | None
     top1_min: float | None
     greedy_exact: bool
-    fused_atol: float | None = None  # the model outputs with the fused ops vs the function bodies (fused_check)
+    # the model outputs with the fused ops vs the function bodies (fused_check), for outputs of magnitude up to 1:
+    # enforced as fused_atol * max(1, max|output|) (export.fused_check.output_scale)
+    fused_atol: float | None = None
 
 
 # fp16: the issue's limits. int8: dynamic quantization changes logits by design; its accuracy change is
@@ -209,7 +211,8 @@ def probability_stats(
 
 
 def fused_atol(tolerance: Tolerance) -> float | None:
-    """The fused-ops check's limit on the model's outputs: the variant's (int8's deltas are reported only)."""
+    """The fused-ops check's limit on the model's outputs at magnitude 1, the variant's (int8's deltas are reported
+    only); the check multiplies it by the outputs' size, max(1, max|output|) (export.fused_check.output_scale)."""
     return tolerance.fused_atol
 
 

@@ -119,3 +119,83 @@ def test_a_node_that_disagrees_with_its_body_fails_whatever_the_outputs_limit(
         report = compare_fused(fp16_digits, image_feeds(2), atol=atol)
         assert report["nodes"]["max_abs"] > NODE_ATOL and report["nodes"]["worst"].startswith("MultiMaxSigma")
         assert len(report["failures"]) == 1 and "on the same inputs" in report["failures"][0]
+
+
+# ---- the outputs' limit scales with the outputs (issue 37: a fairseq LM's logits of ~10 failed a correct export) --
+
+HEAD_GAIN = 8.0  # the digits model's head x8: logits up to ~80 (sigma's squares make them grow faster than x8)
+REAL_OPEN = fused_check._open
+
+
+@pytest.fixture(scope="module")
+def large_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped digits export with its classifier's weights and bias scaled (by a power of two: exactly), so its
+    logits are as large as a language model's; the graph and its fused nodes are unchanged."""
+    proto = onnx.load(str(DEMO_DIR / VISION_MULTIMAX.replace(".pt", ".onnx")))
+    for tensor in proto.graph.initializer:
+        if tensor.name in ("model.head.weight", "model.head.bias"):
+            tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(HEAD_GAIN),
+                                                         tensor.name))
+    path = tmp_path_factory.mktemp("large") / "digits_large_logits.onnx"
+    onnx.save(proto, str(path))
+    return path
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_logits_are_held_to_a_limit_that_grows_with_them_on_every_path(
+    lib: ort_ops.Library, large_logits: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A correct model whose logits reach ~80: float32 rounding differences grow with the values (measured 2.3e-5
+    to 3.8e-5 here, over the absolute 1e-5 on every path), so the outputs are held to 1e-5 x max(1, max|output|)."""
+    forced(isa, lib, monkeypatch)
+    report = compare_fused(large_logits, image_feeds())
+    assert report["kernel_path"] == isa and not report["failures"], report
+    assert 30 <= report["output_scale"] <= 200, report["output_scale"]
+    assert report["atol"] == FUSED_ATOL and report["limit"] == pytest.approx(FUSED_ATOL * report["output_scale"])
+    assert report["max_abs_vs_function_bodies"] <= report["limit"]
+    assert report["nodes"]["passed"] and report["nodes"]["count"] == 5
+    line = fused_summary(report)
+    assert f"(limit {report['limit']:.2e} = 1e-05 x max(1, max|output|))" in line, line
+
+
+def _wrong_output_sigma(delta: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused session (the model's and each node's alone) runs the output layer's sigma with its second range
+    shifted by `delta`; the function bodies stay right."""
+
+    def wrong(model: Any, level: Any, spinning: bool, fused: bool) -> Any:
+        if fused:
+            proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model))
+            for node in proto.graph.node:
+                if node.op_type == "MultiMaxSigma":
+                    next(a for a in node.attribute if a.name == "ranges").floats[1] += delta
+            model = proto.SerializeToString()
+        return REAL_OPEN(model, level, spinning, fused)
+
+    monkeypatch.setattr(fused_check, "_open", wrong)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_wrong_fused_op_still_fails_on_large_logits_on_every_path(
+    lib: ort_ops.Library, large_logits: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scaled limit does not let a wrong kernel through: off by 1e-2 the outputs miss their limit (and the
+    node its own); off by 1e-3, within the outputs' scaled limit, the node check still fails it."""
+    forced(isa, lib, monkeypatch)
+    _wrong_output_sigma(1e-2, monkeypatch)
+    report = compare_fused(large_logits, image_feeds())
+    assert report["kernel_path"] == isa and report["max_abs_vs_function_bodies"] > report["limit"]
+    assert len(report["failures"]) == 2, report["failures"]
+    assert report["failures"][0].startswith("fused ops: model outputs max abs diff")
+    assert "x max(1, max|output|" in report["failures"][0] and "on the same inputs" in report["failures"][1]
+    _wrong_output_sigma(1e-3, monkeypatch)
+    report = compare_fused(large_logits, image_feeds())
+    assert len(report["failures"]) == 1 and "MultiMaxSigma" in report["failures"][0], report["failures"]
+    assert "on the same inputs" in report["failures"][0]
+
+
+def test_small_outputs_keep_the_absolute_limit() -> None:
+    """Below magnitude 1 the scale is 1: the limit is the variant's own, as tight as before."""
+    small = [np.full((2, 3), 0.5, np.float32), np.array([-0.9], np.float32)]
+    assert fused_check.output_scale(small) == 1.0
+    assert fused_check.output_scale([*small, np.array([[3.0, -42.5]], np.float32)]) == 42.5
+    assert fused_check.output_scale([np.array([np.nan, 2.0], np.float32)]) == 2.0
