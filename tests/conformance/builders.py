@@ -1,0 +1,99 @@
+"""The conformance matrix's models, made here from outside the project where one exists: Hugging Face folders by
+`transformers`' own `save_pretrained` (with the SegLU tensors PaddleFleet writes beside the weights), fairseq LMs
+trained by fairseq's own trainer (tests/fixtures/fairseq), DeiT checkpoints in the official and timm layouts
+(tests/test_deit.py's builders); the project's own byte-level GPT is the shipped demo. Small: seconds each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.conformance.matrix import ARTIFACTS, KINDS, Kind
+
+FAIRSEQ = Path(__file__).resolve().parents[1] / "fixtures" / "fairseq"
+# Paper Table 8, last row, as (ranges, ts): the output SegLU of every Hugging Face kind that has one.
+SEGLU_RANGES = torch.tensor([0.1751709, 0.05374146, -0.13269043, -0.08825684])
+SEGLU_TS = torch.tensor([1 - 1.1514893, 1.152832 - 1, 1 - 0.98441315, 1.0156403 - 1])
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+CORPUS = ["def load(path):\n    return open(path).read()\n", "The quick brown fox jumps over the lazy dog.",
+          '{"name": "multimax", "ranges": [0.1, -0.2], "ok": true, "n": 12}', "Return the number of items.",
+          "If the file is missing, raise an error.", "This module provides a cache of tokens.", "é ü 日本 ✓"]
+
+
+def _tokenizer(out: Path, bos: bool, chat: bool) -> None:
+    """A byte-level BPE trained by `tokenizers`, saved by transformers' PreTrainedTokenizerFast."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>" if bos else None,
+                                                eos_token="</s>", pad_token="<pad>",
+                                                chat_template=CHATML if chat else None)
+    fast.save_pretrained(out)
+
+
+def hf_folder(kind: Kind, out: Path) -> Path:
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    opts = kind.options
+    small: dict[str, Any] = dict(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                 tie_word_embeddings=bool(opts.get("tied")))
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3": transformers.Qwen3Config}[opts["family"]](**small)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # beyond the N(0, 0.02) init: logits of order 1-10, where SegLU's breakpoints matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out)
+    _tokenizer(out, bos=bool(opts.get("bos")), chat=bool(opts.get("chat")))
+    if opts.get("seglu"):
+        path = out / "model.safetensors"
+        save_file(load_file(path) | {"lm_head.multimax_ranges": SEGLU_RANGES, "lm_head.multimax_ts": SEGLU_TS},
+                  path, metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(cfg | {"multimax_modules": ["lm_head"]}, indent=2))
+    return out
+
+
+def fairseq_checkpoint(kind: Kind, out: Path) -> Path:
+    """A fixture trained by fairseq's own trainer (tests/fixtures/fairseq/build.py), with its dict.txt beside it."""
+    source = FAIRSEQ / kind.options["fixture"]
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("checkpoint.pt", "dict.txt", "encoder.json", "vocab.bpe"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    return out / "checkpoint.pt"
+
+
+def source(kind: Kind, root: Path) -> Path:
+    """The kind's model as a user has it: a folder or a checkpoint file."""
+    if kind.builder == "hf":
+        return hf_folder(kind, root / kind.name)
+    if kind.builder == "fairseq":
+        return fairseq_checkpoint(kind, root / kind.name)
+    if kind.builder == "demo":
+        from models.demo import DEMO_DIR
+
+        return DEMO_DIR / kind.options["file"]
+    raise AssertionError(kind.builder)
+
+
+__all__ = ["ARTIFACTS", "KINDS", "source"]

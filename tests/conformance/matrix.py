@@ -1,0 +1,180 @@
+"""The conformance matrix: every model kind the project claims, through every artifact, with every served feature.
+
+Each cell is declared here as working or refused (with the reason a user is given); tests/conformance runs every
+cell against the kind's outside reference, and docs/SUPPORT.md is rendered from this table
+(`python -m tests.conformance.matrix --write`; a test fails when the two disagree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "SUPPORT.md"
+BEGIN, END = "<!-- support-table: begin (python -m tests.conformance.matrix --write) -->", "<!-- support-table: end -->"
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    task: str  # "text" or "vision"
+    builder: str  # tests.conformance.builders: how the model is made
+    what: str  # one line for the table
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return bool(self.options.get("chat"))
+
+    @property
+    def word_level(self) -> bool:
+        return bool(self.options.get("word_level"))
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("gpt-byte", "text", "demo", "the project's byte-level GPT (MultiMax attention + output)",
+         {"file": "text_multimax.pt"}),
+    Kind("fairseq-word", "text", "fairseq", "fairseq transformer_lm, word dictionary (padded), post-norm, tied",
+         {"fixture": "postnorm_tied", "word_level": True}),
+    Kind("fairseq-word-prenorm", "text", "fairseq", "fairseq transformer_lm, word dictionary, pre-norm, untied",
+         {"fixture": "prenorm_untied", "word_level": True}),
+    Kind("fairseq-gpt2", "text", "fairseq", "fairseq transformer_lm, GPT-2 BPE dictionary",
+         {"fixture": "gpt2_bpe"}),
+    Kind("llama-seglu", "text", "hf", "Hugging Face Llama, SegLU head, bos token, untied, chat template",
+         {"family": "llama", "seglu": True, "bos": True, "tied": False, "chat": True}),
+    Kind("qwen2-plain", "text", "hf", "Hugging Face Qwen2, no SegLU, no bos token, tied, chat template",
+         {"family": "qwen2", "seglu": False, "bos": False, "tied": True, "chat": True}),
+    Kind("qwen3-seglu", "text", "hf", "Hugging Face Qwen3, SegLU head, bos token, untied, no chat template",
+         {"family": "qwen3", "seglu": True, "bos": True, "tied": False, "chat": False}),
+)
+
+# artifact -> (what, `python -m export` arguments; None: the source served as it is, on the PyTorch backend)
+ARTIFACTS: dict[str, tuple[str, list[str] | None]] = {
+    "source": ("checkpoint / folder (PyTorch)", None),
+    "onnx": ("single .onnx", []),
+    "onnx-fp16": ("single .onnx --fp16", ["--fp16"]),
+    "onnx-int8": ("single .onnx --int8", ["--int8"]),
+    "genai": ("genai folder (-o DIR)", []),
+    "genai-int4": ("genai folder --int4", ["--int4"]),
+}
+FOLDER_ARTIFACTS = ("genai", "genai-int4")
+EXACT_ARTIFACTS = ("source", "onnx", "genai")  # fp32: greedy text and log-probs equal the reference's
+
+TEXT_FEATURES: dict[str, str] = {
+    "complete": "completions, greedy",
+    "logprobs": "logprobs / top_logprobs",
+    "echo": "echo (+ logprobs)",
+    "stream": "stream",
+    "n": "n > 1",
+    "seed": "seed",
+    "stop": "stop",
+    "penalties": "presence / frequency penalty",
+    "logit_bias": "logit_bias",
+    "chat": "chat",
+    "json_object": "response_format json_object",
+    "json_schema": "response_format json_schema",
+    "guided_choice": "guided_choice",
+    "guided_regex": "guided_regex",
+    "guided_grammar": "guided_grammar",
+    "kserve_infer": "KServe infer",
+    "kserve_classification": "KServe parameters.classification",
+}
+STRUCTURED = ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar")
+
+
+@dataclass(frozen=True)
+class Cell:
+    works: bool
+    why: str = ""  # a refusal's reason, as the user is told it (a fragment of the message)
+    status: int = 200  # what the request answers: 200, or the refusal's 4xx
+
+
+def export_refusal(kind: Kind, artifact: str) -> str | None:
+    """Why `python -m export` refuses this artifact of this kind (exit 2), or None: it exports and validates."""
+    return None
+
+
+def cell(kind: Kind, artifact: str, feature: str) -> Cell:
+    """What the matrix promises for one cell."""
+    if (why := export_refusal(kind, artifact)) is not None:
+        return Cell(False, f"export refused: {why}", 0)
+    if feature == "kserve_classification":
+        return Cell(False, "classification", 400)
+    if feature == "chat" and not kind.chat:
+        return Cell(False, "chat template", 400)
+    if feature in STRUCTURED and kind.word_level:
+        return Cell(False, "cannot spell", 400)
+    return Cell(True)
+
+
+def artifacts_of(kind: Kind) -> list[str]:
+    return list(ARTIFACTS)
+
+
+def cells() -> list[tuple[Kind, str, str]]:
+    return [(k, a, f) for k in KINDS if k.task == "text" for a in artifacts_of(k) for f in TEXT_FEATURES]
+
+
+def render() -> str:
+    """The support table (markdown): one row per kind and artifact, one column per feature."""
+    features = list(TEXT_FEATURES)
+    head = ["model kind", "artifact", *[f"`{f}`" for f in features]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    refusals: dict[str, int] = {}
+    for kind in (k for k in KINDS if k.task == "text"):
+        for artifact in artifacts_of(kind):
+            row = [kind.name, ARTIFACTS[artifact][0]]
+            for f in features:
+                c = cell(kind, artifact, f)
+                if c.works:
+                    row.append("yes")
+                else:
+                    note = refusals.setdefault(c.why, len(refusals) + 1)
+                    row.append(f"no ({note})")
+            lines.append("| " + " | ".join(row) + " |")
+    n = len(cells())
+    works = sum(cell(k, a, f).works for k, a, f in cells())
+    kinds = "\n".join(f"- `{k.name}`: {k.what}" for k in KINDS if k.task == "text")
+    features_text = "\n".join(f"- `{f}`: {what}" for f, what in TEXT_FEATURES.items())
+    notes = "\n".join(f"{i}. {_REASONS.get(why, why)}" for why, i in refusals.items())
+    return (f"{len([k for k in KINDS if k.task == 'text'])} text model kinds x {len(ARTIFACTS)} artifacts x "
+            f"{len(features)} features = {n} cells: {works} work, {n - works} are refused with a 4xx that says why."
+            f"\n\n{kinds}\n\n{features_text}\n\n" + "\n".join(lines) + f"\n\nRefusals:\n\n{notes}\n")
+
+
+_REASONS = {
+    "classification": "KServe `parameters.classification` is for image models: a text model answers 400 naming it.",
+    "chat template": "the model has no chat template (its tokenizer config names none): chat is a 400 saying so; "
+                     "completions work.",
+    "cannot spell": "a word-level dictionary has no token for single characters, so it cannot spell a grammar's text: "
+                    "structured output is a 400 (`unsupported_parameter`).",
+}
+
+
+def documented() -> str | None:
+    text = DOC.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.conformance.matrix", description=__doc__)
+    parser.add_argument("--write", action="store_true", help=f"rewrite the table in {DOC.name}")
+    args = parser.parse_args(argv)
+    table = render()
+    if not args.write:
+        sys.stdout.write(table)
+        return 0
+    text = DOC.read_text(encoding="utf-8")
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    DOC.write_text(f"{before}{BEGIN}\n{table}{END}{after}", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
