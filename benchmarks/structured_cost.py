@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
 from service.engine.sampler import SamplingParams, _OneRow, sample, sample_token
@@ -48,7 +49,7 @@ def _corpus() -> Iterator[str]:
         yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def bpe_tokenizer(folder: Path, vocab: int) -> HFTokenizer:
+def bpe_tokenizer(folder: Path, vocab: int) -> HFTextTokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -59,7 +60,7 @@ def bpe_tokenizer(folder: Path, vocab: int) -> HFTokenizer:
     tok.train_from_iterator(_corpus(), trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return HFTokenizer.from_folder(folder)
+    return HFTextTokenizer(HFTokenizer.from_folder(folder))  # as the server holds a folder's tokenizer
 
 
 def run(tok: Any, fields: dict[str, Any], sequences: int, max_tokens: int, seed: int) -> dict[str, Any]:

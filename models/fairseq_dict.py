@@ -208,7 +208,8 @@ class FairseqTokenizer:
         return None
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)  # begins with </s> either way: fairseq's LM input
+        # begins with </s> either way (fairseq's LM input); encode_batch releases the GIL (models.hf_tokenizer)
+        return list(self.tokenizer.encode_batch([text])[0].ids)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         out = bytearray()

@@ -127,6 +127,19 @@ class Settings:
     ssl_keyfile_password: str = field(default="", repr=False)
     # api_key and api_key_file's keys together, read once here (a missing file is an error at start, exit 2)
     api_keys: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    # Hostile input on the LLM routes (docs/SERVICE.md, "Hostile input"). A structured-output grammar is measured
+    # before anything compiles it (service.protocols.grammar_limits): its text, its nesting counted through its
+    # $refs (or a grammar's longest chain of rules), a guided_choice list, a regex's counted repetitions; then it is
+    # compiled in worker processes (service.protocols.grammar_guard), so that one that crashes llguidance's native
+    # compiler or runs too long costs only its own request.
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_depth: int = 128  # llguidance's compiler overflowed its 8 MiB stack from ~2,200 such levels
+    max_guided_choices: int = 1000  # llguidance's parser refuses more than 2,000 alternatives at one position
+    max_regex_repeat: int = 10_000  # a{200000}'s first token mask alone took 0.5 s; a{1000000} fails at token 2
+    grammar_timeout_s: float = 10.0
+    grammar_workers: int = 2
+    # KServe infer: a text model's logits as JSON (a float takes up to 25 bytes there); more needs binary_data
+    max_kserve_json_output_bytes: int = 64 * 1024**2
     # Models that change while the server runs (warm-up, versions, the repository API).
     warmup_calls: int = 1  # each representative warm-up call runs this often at load; 0: no warm-up
     model_control: str = "none"  # "explicit": POST /v2/repository/models/{m}/load and /unload are allowed
@@ -143,7 +156,9 @@ class Settings:
         positive = ("max_batch_size", "max_queue_size", "max_body_bytes", "max_json_bytes", "max_image_pixels",
                     "max_request_pixels", "decode_threads",
                     "min_image_side", "max_images_per_request", "max_running_sequences", "max_waiting_sequences",
-                    "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes")
+                    "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes",
+                    "max_grammar_bytes", "max_grammar_depth", "max_guided_choices", "max_regex_repeat",
+                    "grammar_workers", "max_kserve_json_output_bytes")
         for name in positive:
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -155,7 +170,7 @@ class Settings:
             raise ValueError(f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS:g}, got "
                              f"{self.stream_interval_ms}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "idle_timeout_s"):
+                     "idle_timeout_s", "grammar_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:
@@ -251,6 +266,20 @@ OPTIONS: tuple[_Option, ...] = (
             "variable: the command line is visible to other users)", "PASSWORD"),
     _Option("max_model_bytes", int, "a model file larger than this is not loaded (listed with the reason)",
             "BYTES"),
+    _Option("max_grammar_bytes", int, "structured output: largest JSON schema (as JSON text), regex, grammar or "
+            "guided_choice list (all choices together); 400 beyond, before anything compiles it", "BYTES"),
+    _Option("max_grammar_depth", int, "structured output: deepest JSON schema nesting, counting each $ref as the "
+            "levels it leads to, and longest chain of rules a Lark/GBNF grammar calls through; 400 beyond", "N"),
+    _Option("max_guided_choices", int, "structured output: strings in one guided_choice list (400 beyond)", "N"),
+    _Option("max_regex_repeat", int, "structured output: largest counted repetition in a regex (guided_regex, a "
+            "schema's pattern, a grammar's regexes), nested counts multiplied: (a{100}){100} counts 10,000 (400 "
+            "beyond)", "N"),
+    _Option("grammar_timeout_s", float, "structured output: how long a grammar may take to compile and to give its "
+            "first tokens in a worker process (400 beyond; the worker is replaced)", "S"),
+    _Option("grammar_workers", int, "structured output: worker processes that compile grammars first, so that a "
+            "grammar that crashes or stalls the compiler costs only its own request", "N"),
+    _Option("max_kserve_json_output_bytes", int, "KServe infer on a text model: largest JSON output, counted as 25 "
+            "bytes a value before the model runs (400 beyond; binary_data output has no such limit)", "BYTES"),
     _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
             "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
     _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "

@@ -5,7 +5,9 @@ input is a `ServiceError` 400 (413/415 for size and encoding) naming the tensor.
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,11 @@ from service.base.jsonio import NonFiniteOutput, check_size, dumps, loads, non_f
 
 HEADER_LENGTH = "inference-header-content-length"
 MAX_DIMS = 8
+# The most a float takes in a JSON response: "-1.2345678901234567e-05, " (a float32 written as Python's double).
+JSON_BYTES_PER_VALUE = 25
+# A float output larger than this is written as JSON in pieces of this many values: each piece is one C call that
+# holds the GIL, so a thread writing a large response lets the event loop in between (one call per piece).
+JSON_CHUNK = 8192
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -54,7 +61,10 @@ def _from_json_data(data: Any, datatype: str, dtype: np.dtype[Any], name: str) -
             raise bad(f"input {name}: data is ragged or nested too deeply") from None
         if not all(isinstance(x, str) for x in flat):
             raise bad(f"input {name}: BYTES data must be strings")
-        return np.array([x.encode() for x in flat], dtype=object)
+        try:
+            return np.array([x.encode() for x in flat], dtype=object)
+        except UnicodeEncodeError:
+            raise bad(f"input {name}: BYTES data is not valid Unicode (lone surrogate)") from None
     try:
         arr = np.asarray(data)
     except (ValueError, RecursionError):
@@ -168,10 +178,15 @@ def parse_body(body: bytes, content_encoding: str, header_length: str | None, li
     return header, binary
 
 
-def _requested_outputs(header: dict[str, Any], available: list[str]) -> list[tuple[str, dict[str, Any]]]:
+def requested_outputs(header: dict[str, Any], available: list[str]) -> list[tuple[str, dict[str, Any], bool]]:
+    """(name, parameters, binary) of each output the request asks for (all by default): binary when the output's
+    `binary_data`, or else the request's `binary_data_output`, says so."""
+    request_params = header.get("parameters") or {}
+    binary_default = bool(request_params.get("binary_data_output", False)) if isinstance(request_params, dict) \
+        else False
     outputs = header.get("outputs")
     if outputs is None:
-        return [(n, {}) for n in available]
+        return [(n, {}, binary_default) for n in available]
     if not isinstance(outputs, list):
         raise bad("'outputs' must be a list")
     chosen = []
@@ -182,13 +197,21 @@ def _requested_outputs(header: dict[str, Any], available: list[str]) -> list[tup
         params = out.get("parameters") or {}
         if not isinstance(params, dict):
             raise bad(f"output {name}: parameters must be an object")
-        chosen.append((name, params))
+        chosen.append((name, params, bool(params.get("binary_data", binary_default))))
     return chosen
+
+
+def json_output_bytes(count: int) -> int:
+    """The most `count` floats can take as JSON data."""
+    return count * JSON_BYTES_PER_VALUE
 
 
 def _classification(logits: np.ndarray, k: Any, labels: list[str]) -> np.ndarray:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise bad(f"classification must be a positive integer, got {k!r}")
+    if logits.ndim != 2:
+        raise bad(f"classification ranks the classes of [n, classes] scores; this output is "
+                  f"{list(logits.shape)} (a text model's logits are [n, T, vocab]: ask for them as they are)")
     k = min(k, logits.shape[-1])
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
     rows = [[f"{row[j]:f}:{j}:{labels[j] if j < len(labels) else j}".encode() for j in idx]
@@ -198,36 +221,63 @@ def _classification(logits: np.ndarray, k: Any, labels: list[str]) -> np.ndarray
 
 def encode_outputs(model: str, version: str, header: dict[str, Any], outputs: dict[str, np.ndarray],
                    labels: list[str]) -> tuple[bytes, list[bytes]]:
-    """(JSON response header, binary blobs after it) for the outputs the request asked for (all by default)."""
-    request_params = header.get("parameters") or {}
-    binary_default = bool(request_params.get("binary_data_output", False)) if isinstance(request_params, dict) \
-        else False
+    """(JSON response header, binary blobs after it) for the outputs the request asked for (all by default).
+    Float data of more than JSON_CHUNK values is written in pieces (see JSON_CHUNK): call this off the event loop
+    for a large output."""
     out_json: list[dict[str, Any]] = []
     blobs: list[bytes] = []
-    for name, params in _requested_outputs(header, list(outputs)):
+    pieces: dict[str, np.ndarray] = {}  # placeholder -> float data written apart
+    for name, params, binary in requested_outputs(header, list(outputs)):
         value = outputs[name]
         datatype = "FP32"
         if params.get("classification") is not None:
             value, datatype = _classification(value, params["classification"], labels), "BYTES"
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(value.shape)}
-        if bool(params.get("binary_data", binary_default)):
+        if binary:
             if datatype == "BYTES":
                 raw = b"".join(len(b).to_bytes(4, "little") + b for b in value.ravel())
             else:
                 raw = np.ascontiguousarray(value, dtype="<f4").tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
+        elif datatype == "BYTES":
+            entry["data"] = [b.decode() for b in value.ravel()]
+        elif value.size > JSON_CHUNK:
+            placeholder = f"@data-{uuid.uuid4().hex}@"  # no client text can hold it: replaced by the data below
+            pieces[placeholder] = value
+            entry["data"] = placeholder
         else:
-            entry["data"] = [b.decode() for b in value.ravel()] if datatype == "BYTES" else value.ravel().tolist()
+            entry["data"] = value.ravel().tolist()
         out_json.append(entry)
     body: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": out_json}
     if isinstance(header.get("id"), str):
         body["id"] = header["id"]
     try:
         head = dumps(body)
+        if pieces:
+            segments: list[bytes] = []
+            for placeholder, value in pieces.items():
+                before, head = head.split(f'"{placeholder}"'.encode(), 1)
+                segments.append(before)
+                segments.extend(_float_list(value))
+            head = b"".join([*segments, head])
     except NonFiniteOutput:  # JSON has no NaN/Inf; the binary extension carries IEEE floats as they are
         raise non_finite_error("logits; ask for binary_data output to receive them as raw floats") from None
     return head, blobs
+
+
+def _float_list(value: np.ndarray) -> list[bytes]:
+    """`json.dumps(value.ravel().tolist())` in pieces of JSON_CHUNK values (joined, the same bytes)."""
+    flat = value.ravel()
+    parts = [b"["]
+    for start in range(0, flat.size, JSON_CHUNK):
+        try:
+            text = json.dumps(flat[start:start + JSON_CHUNK].tolist(), allow_nan=False)[1:-1]
+        except ValueError as exc:
+            raise NonFiniteOutput(str(exc)) from None
+        parts.extend((b", " if start else b"", text.encode()))
+    parts.append(b"]")
+    return parts
 
 
 def exact_input(tensors: dict[str, np.ndarray], name: str, datatype: str) -> np.ndarray:

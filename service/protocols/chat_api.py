@@ -27,7 +27,7 @@ from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_res
 from service.base.tracing import phase
 from service.engine.generation import GenSequence, TokenLogprobs
 from service.engine.runtime import Runtimes, TextRuntime
-from service.protocols import choices, fields
+from service.protocols import choices, fields, prompt_encoding
 from service.protocols.chat_template import ChatTemplateError, render
 from service.protocols.endpoint import model_call, model_endpoint
 from service.protocols.lifecycle import Tracker
@@ -38,7 +38,6 @@ from service.protocols.openai_api import (
     _inline_refs,
     _raise_errors,
     _sse,
-    _utf8,
     choice_counts,
     logit_bias,
     read_json_object,
@@ -108,12 +107,11 @@ def _text_parts(parts: list[dict[str, Any]], i: int) -> list[str]:
 
 
 def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the template sees them: text parts joined by newlines (as vLLM's string format)."""
+    """The messages as the template sees them: text parts joined by newlines (as vLLM's string format). Their
+    texts were checked for valid Unicode where the body entered (service.protocols.request_text)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content if isinstance(m.content, str) else "\n".join(_text_parts(m.content, i))
-        if not _utf8(content):
-            raise bad_request(f"messages[{i}].content is not valid Unicode (lone surrogate)", f"messages.{i}.content")
         message: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
@@ -121,9 +119,16 @@ def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _text_size(req: ChatCompletionRequest) -> int:
+    """Characters of the messages (the template adds a few per message): how long rendering them takes."""
+    return sum(64 + (len(m.content) if isinstance(m.content, str)
+                     else sum(len(str(part.get("text", ""))) for part in m.content)) for m in req.messages)
+
+
 def chat_prompt(rt: TextRuntime, req: ChatCompletionRequest) -> list[int]:
     """The conversation rendered with the model's chat template and encoded (400 when the model has none or the
-    template refuses the conversation)."""
+    template refuses the conversation). Long conversations are rendered and encoded on a thread
+    (prompt_encoding.run)."""
     tok = rt.tokenizer
     template = getattr(tok, "chat_template", None)
     if not template:
@@ -206,7 +211,7 @@ async def chat_completions(request: Request) -> Response:
         rt = call.runtime(req.model, TextRuntime)
         unsupported_fields(req)
         with phase("tokenize"):
-            prompt = chat_prompt(rt, req)
+            prompt = await prompt_encoding.run(_text_size(req), chat_prompt, rt, req)
         creq = as_completion(req, prompt)
         n, _ = choice_counts(creq, 1, settings)
         changed = asyncio.Event()
@@ -217,7 +222,7 @@ async def chat_completions(request: Request) -> Response:
             if exc.param == "prompt":
                 exc.param = "messages"  # the chat's prompt is its rendered messages
             raise
-        [params] = await with_structured_output(req, rt.tokenizer, [params])
+        [params] = await with_structured_output(req, rt.tokenizer, [params], settings)
         seqs = choices.expand([prompt], [params], n, changed)[0]
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
                 "system_fingerprint": f"{rt.name}:{rt.version}"}

@@ -9,6 +9,7 @@ run between decode steps. Errors are `{"error": "<message>"}` with a 4xx status.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -24,10 +25,12 @@ from service.base.jsonio import dumps
 from service.base.kserve_codec import DTYPES, HEADER_LENGTH, decode_tensors, encode_outputs, parse_body
 from service.base.tracing import phase
 from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
+from service.engine.tasks.text import kserve_check_outputs
 from service.protocols.endpoint import ModelCall, model_call, model_endpoint
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
+OFF_LOOP_VALUES = 1 << 16  # an output this large is encoded on a thread (JSON of 64K floats: ~10 ms)
 
 _TENSOR = {
     "type": "object",
@@ -254,9 +257,14 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
             outputs = {LOGITS: result.output}
         else:
             ids, mask = rt.entry.served.kserve_decode(rt, tensors, settings.max_batch_size)
+            kserve_check_outputs(header, ids.shape[0], ids.shape[1], rt.vocab_size,
+                                 settings.max_kserve_json_output_bytes)
             outputs = {LOGITS: await _text_forward(rt, ids, mask, call)}
         with phase("encode"):
-            response = encode_response(rt, header, outputs)
+            if sum(v.size for v in outputs.values()) > OFF_LOOP_VALUES:
+                response = await asyncio.to_thread(encode_response, rt, header, outputs)
+            else:
+                response = encode_response(rt, header, outputs)
     return response
 
 

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from models.generate import stop_bytes
 from models.onnx_contract import attention_function, output_function
 from service.base.bodies import JSON, read_body, require_media
+from service.base.config import Settings
 from service.base.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body, shown
 from service.base.jsonio import check_size, loads
 from service.base.tracing import phase
@@ -38,7 +39,7 @@ from service.engine.engine_errors import EngineError
 from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime
 from service.engine.sampler import MAX_LOGIT_BIAS, SamplingParams
 from service.engine.scheduler import GenSequence
-from service.protocols import choices, fields, structured
+from service.protocols import choices, fields, prompt_encoding, request_text, structured
 from service.protocols.endpoint import ModelCall, count_refused, model_call, model_endpoint
 from service.protocols.engine_status import http_error
 from service.protocols.lifecycle import Tracker
@@ -229,21 +230,11 @@ def logit_bias(req: CompletionRequest, vocab_size: int) -> tuple[tuple[int, floa
     return tuple(pairs)
 
 
-def _utf8(text: str) -> bool:
-    # JSON may carry lone surrogates ("\\ud800"), which no UTF-8 (hence no byte tokenizer) can encode.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def prompts_of(req: CompletionRequest, rt: TextRuntime, limit: int) -> list[list[int]]:
+    """The request's prompts as token ids, checked. Its texts were checked for valid Unicode where the body
+    entered (service.protocols.request_text); long prompts are encoded on a thread (prompt_encoding.run)."""
     tok = rt.tokenizer
     p = req.prompt
-    texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)]
-    if any(not _utf8(t) for t in texts):
-        raise bad_request("prompt is not valid Unicode (lone surrogate)", "prompt")
     if isinstance(p, str):
         prompts = [tok.encode(p)]
     elif p and all(isinstance(x, int) for x in p):
@@ -267,6 +258,13 @@ def prompts_of(req: CompletionRequest, rt: TextRuntime, limit: int) -> list[list
     return prompts
 
 
+def _prompt_size(prompt: Any) -> int:
+    """Characters (or token ids) of a prompt: how long encoding and checking it takes."""
+    if isinstance(prompt, (str, int)):
+        return len(prompt) if isinstance(prompt, str) else 1
+    return sum(_prompt_size(p) if isinstance(p, (str, int)) else len(p) for p in prompt)
+
+
 def sampling_params(req: CompletionRequest, prompt_len: int, context: int, default_max: int,
                     bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     room = context - prompt_len
@@ -287,8 +285,6 @@ def sampling_params(req: CompletionRequest, prompt_len: int, context: int, defau
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4:
         raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
-    if any(not _utf8(s) for s in stops):
-        raise bad_request("stop is not valid Unicode (lone surrogate)", "stop")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -370,7 +366,8 @@ def _prompt_too_long(obj: Any, limit: int) -> bool:
 
 
 async def read_json_object(request: Request, runtimes: Runtimes) -> Any:
-    """The request body as parsed JSON: the media type checked, its size bounded before and after reading."""
+    """The request body as parsed JSON: the media type checked, its size bounded before and after reading, every
+    text in it valid Unicode (service.protocols.request_text: checked here, once, for the whole request)."""
     settings = runtimes.settings
     require_media(request, (JSON,))
     declared = request.headers.get("content-length", "")
@@ -378,7 +375,9 @@ async def read_json_object(request: Request, runtimes: Runtimes) -> Any:
         check_size(int(declared), settings.max_json_bytes)
     body = await read_body(request, settings.max_json_bytes)
     check_size(len(body), settings.max_json_bytes)
-    return loads(body)
+    parsed = loads(body)
+    request_text.check_text(body, parsed)
+    return parsed
 
 
 async def read_completion(request: Request, runtimes: Runtimes) -> CompletionRequest:
@@ -427,13 +426,15 @@ async def read_text_request(request: Request, runtimes: Runtimes,
         raise
 
 
-async def with_structured_output(req: BaseModel, tokenizer: Any, params: list[SamplingParams]) -> list[SamplingParams]:
+async def with_structured_output(req: BaseModel, tokenizer: Any, params: list[SamplingParams],
+                                 settings: Settings) -> list[SamplingParams]:
     """`params` with the request's structured-output processors (service.protocols.structured), if it asks for
-    any; 400 naming the field for a bad grammar. A grammar compiles in the engine (up to ~100 ms for a big
-    schema): off the event loop."""
+    any; 400 naming the field for a grammar over the limits, one llguidance refuses, or one that crashes or
+    stalls the grammar worker. Measured, compiled and probed off the event loop, before the request is admitted."""
     asked = dict(req)
-    processors = (await asyncio.to_thread(structured.processors_for, asked, tokenizer)
-                  if structured.requested(asked) else structured.processors_for(asked, tokenizer))
+    if not structured.requested(asked) and asked.get("guided_whitespace_pattern") is None:
+        return params
+    processors = await structured.processors_for_request(asked, tokenizer, settings)
     return [dataclasses.replace(p, processors=processors) for p in params] if processors else params
 
 
@@ -477,13 +478,14 @@ async def completions(request: Request) -> Response:
         rt = call.runtime(req.model, TextRuntime)
         _unsupported(req)
         with phase("tokenize"):
-            prompts = prompts_of(req, rt, settings.max_prompts_per_request)
+            prompts = await prompt_encoding.run(_prompt_size(req.prompt), prompts_of, req, rt,
+                                                settings.max_prompts_per_request)
         n, best_of = choice_counts(req, len(prompts), settings)
         context = rt.context_length
         changed = asyncio.Event()
         bias = logit_bias(req, rt.tokenizer.vocab_size)
         params = [sampling_params(req, len(p), context, settings.default_max_tokens, bias) for p in prompts]
-        params = await with_structured_output(req, rt.tokenizer, params)
+        params = await with_structured_output(req, rt.tokenizer, params, settings)
         groups = choices.expand(prompts, params, best_of, changed)
         seqs = [s for g in groups for s in g]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,

@@ -7,12 +7,20 @@ grammar is complete, so the model can stop exactly when the output is whole). Th
 (Rust, CPU; it computes the allowed-token set over the tokenizer's token trie); this module only adapts the
 project's tokenizers to it and maps request fields, and their errors, to OpenAI's 400 shape naming the field.
 
-`processors_for(fields, tokenizer)` is what an endpoint calls (completions and chat alike).
+A request's grammar is measured before anything compiles it (service.protocols.grammar_limits), then compiled and
+probed in a worker process (service.protocols.grammar_guard, service.protocols.grammar_worker): a grammar that
+would crash or stall llguidance's native compiler, or that cannot run, is that request's 400 before it is
+admitted, never the server's end nor a 500 mid-stream.
+
+`processors_for_request(fields, tokenizer, settings)` is what an endpoint awaits (completions and chat alike);
+`processors_for(fields, tokenizer)` does the same in-process and synchronously, for tools and tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,14 +30,16 @@ import numpy as np
 import torch
 
 from models.tokenizer import TextTokenizer
-from service.base.errors import bad_request
+from service.base.config import Settings
+from service.base.errors import ServiceError, bad_request
 from service.engine.sampler import LogitsProcessor
+from service.protocols import grammar_guard, grammar_limits, grammar_worker
+from service.protocols.grammar_limits import GrammarLimits
+from service.protocols.grammar_worker import GrammarJob, GrammarRefused, TokenizerSpec
 
 # The request fields that ask for structured output; at most one of them per request.
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar")
-# A grammar that needs more than this to build, or per step, is refused or fails its sequence (llguidance's
-# defaults; they bound a hostile schema's cost).
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+LIMITS = grammar_worker.LIMITS  # llguidance's own bounds on a grammar's size and per-step work
 
 
 class StructuredOutputError(RuntimeError):
@@ -71,21 +81,44 @@ class _TokenTable:
         return [t for t in self._tokenizer.encode(text) if t not in self._specials]
 
 
-def _lltokenizer(tokenizer: TextTokenizer) -> llguidance.LLTokenizer:
+def _end_ids(tokenizer: TextTokenizer) -> list[int]:
     eos = [i for i in tokenizer.eos_ids if i is not None and i >= 0]
     if not eos:
         raise ValueError("the model's tokenizer has no end-of-sequence token, so a grammar cannot end the output")
-    text = tokenizer.tokenizer_json()
-    if text is not None:
-        # A tokenizer.json: llguidance reads it itself (byte-level BPE, metaspace, added tokens).
-        from tokenizers import Tokenizer
+    return eos
 
-        copy = Tokenizer.from_str(text)
-        copy.no_padding()
-        copy.no_truncation()
-        return llguidance.LLTokenizer(copy.to_str(), n_vocab=int(tokenizer.vocab_size), eos_token=eos)
+
+def _tokenizer_json(tokenizer: TextTokenizer) -> str | None:
+    """The tokenizer.json as llguidance reads it (byte-level BPE, metaspace, added tokens), or None."""
+    text = tokenizer.tokenizer_json()
+    if text is None:
+        return None
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(text)
+    copy.no_padding()
+    copy.no_truncation()
+    return str(copy.to_str())
+
+
+def _lltokenizer(tokenizer: TextTokenizer) -> llguidance.LLTokenizer:
+    eos = _end_ids(tokenizer)
+    text = _tokenizer_json(tokenizer)
+    if text is not None:
+        return llguidance.LLTokenizer(text, n_vocab=int(tokenizer.vocab_size), eos_token=eos)
     # The byte tokenizer (and a fairseq dictionary's): every id's bytes are known.
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)))
+
+
+def _spec(tokenizer: TextTokenizer) -> TokenizerSpec:
+    """The same tokenizer as picklable data, for the grammar worker (service.protocols.grammar_worker)."""
+    eos, key, size = _end_ids(tokenizer), uuid.uuid4().hex, int(tokenizer.vocab_size)
+    text = _tokenizer_json(tokenizer)
+    if text is not None:
+        return TokenizerSpec(key, size, tuple(eos), json=text)
+    table = _TokenTable(tokenizer)
+    return TokenizerSpec(key, size, (table.eos_token_id,), tokens=tuple(table.tokens),
+                         special_ids=tuple(table.special_token_ids), bos=table.bos_token_id)
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer | ValueError] = weakref.WeakKeyDictionary()
@@ -101,6 +134,23 @@ def lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
         except ValueError as exc:
             found = exc
         _TOKENIZERS[tokenizer] = found
+    if isinstance(found, ValueError):
+        raise found
+    return found
+
+
+_SPECS: weakref.WeakKeyDictionary[Any, TokenizerSpec | ValueError] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_spec(tokenizer: Any) -> TokenizerSpec:
+    """A served tokenizer as the grammar worker builds it, made once (a ValueError too, as `lltokenizer`)."""
+    found = _SPECS.get(tokenizer)
+    if found is None:
+        try:
+            found = _spec(tokenizer)
+        except ValueError as exc:
+            found = exc
+        _SPECS[tokenizer] = found
     if isinstance(found, ValueError):
         raise found
     return found
@@ -161,38 +211,43 @@ class GrammarProcessor:
         return logits.masked_fill(~keep, float("-inf"))
 
 
-# ---- request fields -------------------------------------------------------------------------------------
+# ---- request fields -> a grammar job ----------------------------------------------------------------------
 
 
-def _json_text(value: Any, field: str) -> str:
-    """A JSON schema given as an object (or, as vLLM allows for guided_json, as its JSON text)."""
+def _json_text(value: Any, field: str) -> tuple[Any, str]:
+    """A JSON schema given as an object (or, as vLLM allows for guided_json, as its JSON text): (schema, text)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise bad_request(f"{field} is not valid JSON ({exc.msg})", field) from None
+        except RecursionError:
+            raise bad_request(f"{field} is nested too deeply", field, code=grammar_limits.CODE) from None
     if not isinstance(value, dict):
         raise bad_request(f"{field} must be a JSON schema object, not {type(value).__name__}", field)
-    return json.dumps(value)
-
-
-def _schema_grammar(schema: str, field: str, whitespace: str | None) -> str:
-    options: Any = None if whitespace is None else {"whitespace_pattern": whitespace}
     try:
-        return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options))
-    except ValueError as exc:
-        raise bad_request(f"{field} is not a usable JSON schema: {exc}", field) from None
+        return value, json.dumps(value)
+    except RecursionError:
+        raise bad_request(f"{field} is nested too deeply", field, code=grammar_limits.CODE) from None
 
 
-def _response_format(value: Any, whitespace: str | None) -> tuple[str, str] | None:
-    """(grammar, field) of OpenAI's response_format, None for {"type": "text"}."""
+def _schema_job(value: Any, field: str, whitespace: str | None, limits: GrammarLimits) -> GrammarJob:
+    if isinstance(value, str):  # JSON text: bounded before it is parsed
+        grammar_limits.check_size(value, field, limits)
+    schema, text = _json_text(value, field)
+    grammar_limits.check_schema(schema, text, field, limits)
+    return GrammarJob(field, "json_schema", text, whitespace)
+
+
+def _response_format(value: Any, whitespace: str | None, limits: GrammarLimits) -> GrammarJob | None:
+    """The job of OpenAI's response_format, None for {"type": "text"}."""
     if not isinstance(value, Mapping):
         raise bad_request("response_format must be an object", "response_format")
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _schema_grammar(json.dumps({"type": "object"}), "response_format", whitespace), "response_format"
+        return _schema_job({"type": "object"}, "response_format", whitespace, limits)
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, Mapping):
@@ -201,32 +256,31 @@ def _response_format(value: Any, whitespace: str | None) -> tuple[str, str] | No
         field = "response_format.json_schema.schema"
         if "schema" not in spec:
             raise bad_request(f"{field} is missing", field)
-        return _schema_grammar(_json_text(spec["schema"], field), field, whitespace), field
+        return _schema_job(spec["schema"], field, whitespace, limits)
     raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
                       "response_format.type")
 
 
-def _grammar_of(name: str, value: Any, whitespace: str | None) -> tuple[str, str] | None:
+def _job_of(name: str, value: Any, whitespace: str | None, limits: GrammarLimits) -> GrammarJob | None:
     if name == "response_format":
-        return _response_format(value, whitespace)
+        return _response_format(value, whitespace, limits)
     if name == "guided_json":
-        return _schema_grammar(_json_text(value, name), name, whitespace), name
+        return _schema_job(value, name, whitespace, limits)
     if name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise bad_request("guided_choice must be a non-empty list of non-empty strings", name)
-        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
-        return str(llguidance.LLMatcher.grammar_from_lark(lark)), name
+        grammar_limits.check_choices(value, name, limits)
+        return GrammarJob(name, "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
     if name == "guided_regex":
         if not isinstance(value, str) or not value:
             raise bad_request("guided_regex must be a non-empty string", name)
-        return str(llguidance.LLMatcher.grammar_from_regex(value)), name
+        grammar_limits.check_regex(value, name, limits)
+        return GrammarJob(name, "regex", value)
     if name == "guided_grammar":
         if not isinstance(value, str) or not value.strip():
             raise bad_request("guided_grammar must be a non-empty Lark or GBNF grammar", name)
-        try:
-            return str(llguidance.grammar_from("grammar", value)), name
-        except ValueError as exc:
-            raise bad_request(f"guided_grammar is not a usable grammar: {exc}", name) from None
+        grammar_limits.check_grammar(value, name, limits)
+        return GrammarJob(name, "grammar", value)
     raise AssertionError(name)
 
 
@@ -239,10 +293,10 @@ def requested(fields: Mapping[str, Any]) -> list[str]:
     return used
 
 
-def processors_for(fields: Mapping[str, Any], tokenizer: Any) -> tuple[LogitsProcessor, ...]:
-    """The logits processors a request's fields ask for (none, or one GrammarProcessor), or a 400 naming the
-    field: a bad schema, regex, grammar or choice list, two structured-output fields at once, or a field that
-    cannot go with one (ignore_eos, min_tokens: the grammar decides where the output ends)."""
+def grammar_job(fields: Mapping[str, Any], limits: GrammarLimits = grammar_limits.DEFAULT) -> GrammarJob | None:
+    """The grammar a request's fields ask for (None: no constraint), measured against `limits`, or a 400 naming
+    the field: a bad or too large schema, regex, grammar or choice list, two structured-output fields at once, or
+    a field that cannot go with one (ignore_eos, min_tokens: the grammar decides where the output ends)."""
     used = requested(fields)
     whitespace = fields.get("guided_whitespace_pattern")
     if whitespace is not None and not isinstance(whitespace, str):
@@ -251,7 +305,7 @@ def processors_for(fields: Mapping[str, Any], tokenizer: Any) -> tuple[LogitsPro
         if whitespace is not None:
             raise bad_request("guided_whitespace_pattern applies only with guided_json or response_format",
                               "guided_whitespace_pattern")
-        return ()
+        return None
     if len(used) > 1:
         raise bad_request(f"{used[1]} cannot be combined with {used[0]}: give one structured-output field",
                           used[1], code="conflicting_parameters")
@@ -261,24 +315,70 @@ def processors_for(fields: Mapping[str, Any], tokenizer: Any) -> tuple[LogitsPro
         if fields.get(other):
             raise bad_request(f"{other} cannot be combined with {used[0]}: the grammar decides where the output "
                               "ends", other, code="conflicting_parameters")
-    made = _grammar_of(used[0], fields[used[0]], whitespace)
-    if made is None:
+    if whitespace is not None:
+        grammar_limits.check_regex(whitespace, "guided_whitespace_pattern", limits)
+    return _job_of(used[0], fields[used[0]], whitespace, limits)
+
+
+def _unsupported(field: str, exc: ValueError) -> ServiceError:
+    return bad_request(f"{field} cannot be used with this model: {exc}", field, code="unsupported_parameter")
+
+
+def _refused(job: GrammarJob, exc: GrammarRefused) -> ServiceError:
+    return bad_request(f"{job.field} {exc.reason}", job.field)
+
+
+# ---- processors ---------------------------------------------------------------------------------------------
+
+
+def processors_for(fields: Mapping[str, Any], tokenizer: Any,
+                   limits: GrammarLimits = grammar_limits.DEFAULT) -> tuple[LogitsProcessor, ...]:
+    """The logits processors a request's fields ask for (none, or one GrammarProcessor), judged and compiled in
+    this process and thread (tools and tests; the server awaits `processors_for_request`), or a 400 naming the
+    field (`grammar_job`'s, and a grammar llguidance refuses or that cannot take its first tokens)."""
+    job = grammar_job(fields, limits)
+    if job is None:
         return ()
-    grammar, field = made
     try:
         tok = lltokenizer(tokenizer)
     except ValueError as exc:
-        raise bad_request(f"{field} cannot be used with this model: {exc}", field,
-                          code="unsupported_parameter") from None
+        raise _unsupported(job.field, exc) from None
     try:
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=LIMITS)
-    except Exception as exc:  # llguidance reports grammar errors through is_error(); anything else is still the input's
-        raise bad_request(f"{field} cannot be used: {_first_line(str(exc))}", field) from None
-    if matcher.is_error():
-        raise bad_request(f"{field} cannot be used: {_first_line(matcher.get_error())}", field)
-    return (GrammarProcessor(matcher, int(tokenizer.vocab_size), field),)
+        made = grammar_worker.matcher(tok, grammar_worker.compile_grammar(job))
+        grammar_worker.probe(made.deep_copy(), tok)
+    except GrammarRefused as exc:
+        raise _refused(job, exc) from None
+    return (GrammarProcessor(made, int(tokenizer.vocab_size), job.field),)
 
 
-def _first_line(text: str) -> str:
-    """An engine error on one line, bounded (regex errors span several lines: the message, the caret)."""
-    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())[:300] or "invalid"
+def _plan(fields: Mapping[str, Any], tokenizer: Any, limits: GrammarLimits) -> tuple[GrammarJob, TokenizerSpec] | None:
+    job = grammar_job(fields, limits)
+    if job is None:
+        return None
+    try:
+        return job, tokenizer_spec(tokenizer)
+    except ValueError as exc:
+        raise _unsupported(job.field, exc) from None
+
+
+def _server_matcher(tokenizer: Any, grammar: str) -> llguidance.LLMatcher:
+    return grammar_worker.matcher(lltokenizer(tokenizer), grammar)
+
+
+async def processors_for_request(fields: Mapping[str, Any], tokenizer: Any,
+                                 settings: Settings) -> tuple[LogitsProcessor, ...]:
+    """`processors_for` as the server runs it, never on the event loop: the fields measured on a thread, the
+    grammar compiled and probed in a worker process (a crash or a timeout there is this request's 400), then
+    compiled again here on the grammar build thread (its stack twice the worker's)."""
+    planned = await asyncio.to_thread(_plan, fields, tokenizer, GrammarLimits.from_settings(settings))
+    if planned is None:
+        return ()
+    job, spec = planned
+    guard = grammar_guard.guard_for(settings.grammar_workers, settings.grammar_timeout_s)
+    try:
+        grammar = await asyncio.to_thread(guard.check, job, spec)
+        made = await asyncio.get_running_loop().run_in_executor(grammar_guard.builder(), _server_matcher,
+                                                                tokenizer, grammar)
+    except GrammarRefused as exc:
+        raise _refused(job, exc) from None
+    return (GrammarProcessor(made, int(tokenizer.vocab_size), job.field),)

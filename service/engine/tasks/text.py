@@ -13,7 +13,7 @@ from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, past_names
 from models.spec import TEXT, TextSpec
 from models.tokenizer import tokenizer_from_dict
 from service.base.config import Settings
-from service.base.kserve_codec import bad, exact_input
+from service.base.kserve_codec import bad, exact_input, json_output_bytes, requested_outputs
 from service.engine.backends.base import TextBackend
 from service.engine.entry import ModelEntry, ServedTask
 from service.engine.runtime import TextRuntime
@@ -131,6 +131,23 @@ def kserve_decode(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: in
     else:
         mask = np.ones_like(ids)
     return np.ascontiguousarray(ids), np.ascontiguousarray(mask)
+
+
+def kserve_check_outputs(header: dict[str, Any], rows: int, tokens: int, vocab: int, max_json_bytes: int) -> None:
+    """The outputs a text infer asks for, refused before the model runs: the classification extension (it ranks
+    the classes of [n, classes] scores; a text model's logits are [n, T, vocab]), and logits as JSON of more than
+    `max_json_bytes` (--max-kserve-json-output-bytes; [16, 256] ids of a 4,096-token vocabulary were 343 MB of
+    JSON that took the event loop 8 s to write). Binary output (the binary-data extension) carries any size."""
+    for name, params, binary in requested_outputs(header, [LOGITS]):
+        if params.get("classification") is not None:
+            raise bad(f"output {name}: the classification extension applies to image classification models; a "
+                      f"text model's logits are [n, T, vocab] (ask for them without it)")
+        size = json_output_bytes(rows * tokens * vocab)
+        if not binary and size > max_json_bytes:
+            raise bad(f"output {name}: [{rows}, {tokens}, {vocab}] logits as JSON may take {size} bytes, over the "
+                      f"limit of {max_json_bytes} (max_kserve_json_output_bytes); ask for binary output "
+                      '(parameters.binary_data: true on the output, or "binary_data_output": true on the request), '
+                      "or send fewer tokens")
 
 
 TASK = ServedTask(tasks.get(TEXT), TextBackend, validate, check_io, warm_up, TextRuntime, kserve_io, kserve_decode)
