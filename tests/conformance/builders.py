@@ -83,6 +83,41 @@ def fairseq_checkpoint(kind: Kind, out: Path) -> Path:
     return out / "checkpoint.pt"
 
 
+# The vision kinds' shape: small enough to export in seconds, large enough that MultiMax's breakpoints matter.
+DEIT = dict(embed=48, depth=2, img=32, patch=8, classes=10)
+DEIT_HEADS, DEIT_EPS = 4, 1e-6
+LABELS = [f"class-{i}" for i in range(DEIT["classes"])]
+
+
+def deit_state_dict(kind: Kind) -> dict[str, torch.Tensor]:
+    """Weights in the official (or timm) key layout, MultiMax parameters from the paper's Table 7."""
+    from tests.test_deit import make_state_dict
+
+    timm = kind.options["layout"] == "timm"
+    return make_state_dict(**DEIT, cls_token=timm, qkv_bias=timm, mm_attn=not timm, mm_out=not timm,
+                           v2=bool(kind.options.get("v2")), seed=3)
+
+
+def deit_checkpoint(kind: Kind, out: Path) -> Path:
+    """The official / timm ones as DeiT's main.py saves them (`module.` prefix, its args naming heads and eps);
+    the project's in its own format, written by the project's checkpoint code."""
+    from tests.test_deit import training_checkpoint
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sd = deit_state_dict(kind)
+    if kind.options["layout"] == "project":
+        from models.checkpoint import Checkpoint, save_checkpoint
+        from models.deit import IMAGENET_PREPROCESS, DeiTConfig
+
+        config = DeiTConfig(img_size=DEIT["img"], patch_size=DEIT["patch"], num_classes=DEIT["classes"],
+                            embed_dim=DEIT["embed"], depth=DEIT["depth"], num_heads=DEIT_HEADS, ln_eps=DEIT_EPS)
+        preprocess = dict(IMAGENET_PREPROCESS) | {"image_size": DEIT["img"], "resize": round(DEIT["img"] / 0.875)}
+        save_checkpoint(Checkpoint("deit", config.to_dict(), sd, labels=LABELS, preprocess=preprocess), out)
+        return out
+    torch.save(training_checkpoint(sd, {"num_heads": DEIT_HEADS, "ln_eps": DEIT_EPS}), out)
+    return out
+
+
 def source(kind: Kind, root: Path) -> Path:
     """The kind's model as a user has it: a folder or a checkpoint file."""
     if kind.builder == "hf":
@@ -93,6 +128,8 @@ def source(kind: Kind, root: Path) -> Path:
         from models.demo import DEMO_DIR
 
         return DEMO_DIR / kind.options["file"]
+    if kind.builder == "deit":
+        return deit_checkpoint(kind, root / kind.name / "checkpoint.pt")
     raise AssertionError(kind.builder)
 
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conformance import builders
-from tests.conformance.matrix import ARTIFACTS, FOLDER_ARTIFACTS, KINDS, Kind, export_refusal
+from tests.conformance.matrix import ARTIFACTS, FOLDER_ARTIFACTS, KINDS, Kind, artifacts_of, export_refusal
 from tests.conformance.references import Reference
 
 pytest.importorskip("transformers")
@@ -36,7 +36,7 @@ def _place_source(kind: Kind, source: Path, serve: Path) -> None:
 
 
 def _source_path(kind: Kind, root: Path) -> Path:
-    if kind.builder == "fairseq":
+    if kind.builder in ("fairseq", "deit"):
         return root / kind.name / "checkpoint.pt"
     if kind.builder == "demo":
         from models.demo import DEMO_DIR
@@ -63,7 +63,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     exits: dict[tuple[str, str], int] = {}
     for kind in KINDS:
         source = sources[kind.name] = builders.source(kind, root / "sources")
-        for artifact, (_, args) in ARTIFACTS.items():
+        for artifact in artifacts_of(kind):
+            args = ARTIFACTS[artifact][1]
             if args is None:
                 _place_source(kind, source, serve)
                 continue
@@ -94,3 +95,4 @@ def references(built: dict[str, object]) -> dict[str, Reference]:
     sources = built["sources"]
     assert isinstance(sources, dict)
     return {k.name: Reference(k, sources[k.name]) for k in KINDS if k.task == "text"}
+

@@ -49,6 +49,13 @@ KINDS: tuple[Kind, ...] = (
          {"family": "qwen2", "seglu": False, "bos": False, "tied": True, "chat": True}),
     Kind("qwen3-seglu", "text", "hf", "Hugging Face Qwen3, SegLU head, bos token, untied, no chat template",
          {"family": "qwen3", "seglu": True, "bos": True, "tied": False, "chat": False}),
+    Kind("deit-project", "vision", "deit", "a fresh DeiT in the project's checkpoint format (MultiMax attention + "
+         "output)", {"layout": "project"}),
+    Kind("deit-official", "vision", "deit", "official-code DeiT training checkpoint (no class token, no qkv bias, "
+         "second-order MultiMax in attention and output, `module.` prefix)", {"layout": "official"}),
+    Kind("deit-official-v2", "vision", "deit", "official-code DeiT, the V2 variant (`attn.t`, `attn.b`)",
+         {"layout": "official", "v2": True}),
+    Kind("deit-timm", "vision", "deit", "timm DeiT (class token, qkv bias, softmax)", {"layout": "timm"}),
 )
 
 # artifact -> (what, `python -m export` arguments; None: the source served as it is, on the PyTorch backend)
@@ -61,6 +68,7 @@ ARTIFACTS: dict[str, tuple[str, list[str] | None]] = {
     "genai-int4": ("genai folder --int4", ["--int4"]),
 }
 FOLDER_ARTIFACTS = ("genai", "genai-int4")
+VISION_ARTIFACTS = ("source", "onnx", "onnx-fp16", "onnx-int8")  # genai folders are for text models
 EXACT_ARTIFACTS = ("source", "onnx", "genai")  # fp32: greedy text and log-probs equal the reference's
 
 TEXT_FEATURES: dict[str, str] = {
@@ -82,6 +90,11 @@ TEXT_FEATURES: dict[str, str] = {
     "kserve_infer": "KServe infer",
     "kserve_classification": "KServe parameters.classification",
 }
+VISION_FEATURES: dict[str, str] = {
+    "classify": "POST /v1/models/{name}/classify (an image)",
+    "kserve_infer": "KServe infer (a pixel tensor)",
+    "kserve_classification": "KServe parameters.classification (top-k classes)",
+}
 STRUCTURED = ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar")
 
 
@@ -101,6 +114,8 @@ def cell(kind: Kind, artifact: str, feature: str) -> Cell:
     """What the matrix promises for one cell."""
     if (why := export_refusal(kind, artifact)) is not None:
         return Cell(False, f"export refused: {why}", 0)
+    if kind.task == "vision":
+        return Cell(True)
     if feature == "kserve_classification":
         return Cell(False, "classification", 400)
     if feature == "chat" and not kind.chat:
@@ -111,38 +126,46 @@ def cell(kind: Kind, artifact: str, feature: str) -> Cell:
 
 
 def artifacts_of(kind: Kind) -> list[str]:
-    return list(ARTIFACTS)
+    return list(ARTIFACTS) if kind.task == "text" else list(VISION_ARTIFACTS)
 
 
-def cells() -> list[tuple[Kind, str, str]]:
-    return [(k, a, f) for k in KINDS if k.task == "text" for a in artifacts_of(k) for f in TEXT_FEATURES]
+def features_of(task: str) -> dict[str, str]:
+    return TEXT_FEATURES if task == "text" else VISION_FEATURES
 
 
-def render() -> str:
-    """The support table (markdown): one row per kind and artifact, one column per feature."""
-    features = list(TEXT_FEATURES)
+def cells(task: str = "text") -> list[tuple[Kind, str, str]]:
+    return [(k, a, f) for k in KINDS if k.task == task for a in artifacts_of(k) for f in features_of(task)]
+
+
+def _table(task: str, refusals: dict[str, int]) -> str:
+    """One task's part: its kinds, features, and a row per kind and artifact with a column per feature."""
+    kinds = [k for k in KINDS if k.task == task]
+    features = features_of(task)
     head = ["model kind", "artifact", *[f"`{f}`" for f in features]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    refusals: dict[str, int] = {}
-    for kind in (k for k in KINDS if k.task == "text"):
+    for kind in kinds:
         for artifact in artifacts_of(kind):
             row = [kind.name, ARTIFACTS[artifact][0]]
             for f in features:
                 c = cell(kind, artifact, f)
-                if c.works:
-                    row.append("yes")
-                else:
-                    note = refusals.setdefault(c.why, len(refusals) + 1)
-                    row.append(f"no ({note})")
+                row.append("yes" if c.works else f"no ({refusals.setdefault(c.why, len(refusals) + 1)})")
             lines.append("| " + " | ".join(row) + " |")
-    n = len(cells())
-    works = sum(cell(k, a, f).works for k, a, f in cells())
-    kinds = "\n".join(f"- `{k.name}`: {k.what}" for k in KINDS if k.task == "text")
-    features_text = "\n".join(f"- `{f}`: {what}" for f, what in TEXT_FEATURES.items())
+    n = len(cells(task))
+    works = sum(cell(k, a, f).works for k, a, f in cells(task))
+    listed = "\n".join(f"- `{k.name}`: {k.what}" for k in kinds)
+    described = "\n".join(f"- `{f}`: {what}" for f, what in features.items())
+    artifacts = len(artifacts_of(kinds[0]))
+    return (f"### {task.capitalize()} models\n\n{len(kinds)} kinds x {artifacts} artifacts x {len(features)} "
+            f"features = {n} cells: {works} work, {n - works} are refused with a 4xx that says why.\n\n{listed}\n\n"
+            f"{described}\n\n" + "\n".join(lines) + "\n")
+
+
+def render() -> str:
+    """The support tables (markdown), text then vision, and the refusals they number."""
+    refusals: dict[str, int] = {}
+    parts = [_table(task, refusals) for task in ("text", "vision")]
     notes = "\n".join(f"{i}. {_REASONS.get(why, why)}" for why, i in refusals.items())
-    return (f"{len([k for k in KINDS if k.task == 'text'])} text model kinds x {len(ARTIFACTS)} artifacts x "
-            f"{len(features)} features = {n} cells: {works} work, {n - works} are refused with a 4xx that says why."
-            f"\n\n{kinds}\n\n{features_text}\n\n" + "\n".join(lines) + f"\n\nRefusals:\n\n{notes}\n")
+    return "\n".join(parts) + f"\nRefusals:\n\n{notes}\n"
 
 
 _REASONS = {
