@@ -117,3 +117,28 @@ def running(*args: str, stop_timeout: float = 30, **kwargs: Any) -> Iterator[str
         yield url
     finally:
         stop(proc, stop_timeout)
+
+
+@contextlib.contextmanager
+def in_thread(app: Any, timeout: float = 120, **config: Any) -> Iterator[str]:
+    """uvicorn serving `app` on a loopback port from a thread of this process (a test can reach into the app);
+    `config`: more uvicorn.Config arguments (the server's own `http` protocol, say). Yields the URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise ServerError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

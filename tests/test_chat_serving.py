@@ -14,7 +14,6 @@ import http.client
 import json
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from benchmarks.server import free_port, running  # noqa: E402
+from benchmarks.server import in_thread, running  # noqa: E402
 from models.demo import DEMO_DIR  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.hf_folder import load_folder  # noqa: E402
@@ -362,25 +361,12 @@ class Steered:
 
 @pytest.fixture(scope="module")
 def steered(repo: Path) -> Iterator[tuple[str, Steered, Any]]:
-    import uvicorn
-
     app = create_app(Settings(model_dir=repo, models=(CHAT,), intra_op_threads=1, warmup_calls=0))
     rt = app.state.runtimes.models[CHAT]
     wrapper = Steered(rt.scheduler.backend)
     rt.scheduler.backend = wrapper
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", wrapper, rt.tokenizer
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with in_thread(app) as url:
+        yield url, wrapper, rt.tokenizer
 
 
 def _sse_events(base: str, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -28,7 +27,7 @@ from schemathesis.checks import (
 )
 
 from benchmarks.loadtest.prom import sample_value
-from benchmarks.server import free_port, start, stop, wait_ready
+from benchmarks.server import in_thread, start, stop
 from models.demo import DEMO_DIR
 from service.base.config import Settings
 from service.edge.app import create_app
@@ -157,25 +156,6 @@ def test_no_input_makes_the_server_fail(service_server: str) -> None:
 # ---- streams whose clients leave -------------------------------------------------------------------------
 
 
-class _ThreadServer:
-    """uvicorn in a thread of this process, so the test can reach into the app (here: slow its model down)."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        url = f"http://127.0.0.1:{self.port}"
-        wait_ready(url)
-        return url
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 def _generated_total(url: str) -> float:
     return sample_value(httpx.get(f"{url}/metrics").text, "multimax_generation_tokens_total", model="text_multimax")
 
@@ -195,7 +175,7 @@ def test_a_closed_stream_frees_its_slot_at_once() -> None:
         return original(*args)
 
     backend.run_text = slow
-    with _ThreadServer(app) as url:
+    with in_thread(app) as url:
         body = {"model": "text_multimax", "prompt": "The", "max_tokens": 100, "stream": True, "temperature": 0}
         with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
             events = 0

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.gpt import GPT, GPTConfig
+from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
 from service.base.config import Settings
 from service.edge.app import create_app
-from models.hf_text import HFTextTokenizer
 from service.protocols.structured import GrammarProcessor, StructuredOutputError, processors_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},

@@ -22,8 +22,8 @@ import asyncio
 import json
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import llguidance
 import numpy as np
@@ -121,39 +121,33 @@ def _spec(tokenizer: TextTokenizer) -> TokenizerSpec:
                          special_ids=tuple(table.special_token_ids), bos=table.bos_token_id)
 
 
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer | ValueError] = weakref.WeakKeyDictionary()
+T = TypeVar("T")
 
 
-def lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    """The llguidance tokenizer of a served tokenizer, built once (it indexes the whole vocabulary); a tokenizer
-    that cannot have one raises the same ValueError every time without indexing it again."""
-    found = _TOKENIZERS.get(tokenizer)
-    if found is None:
-        try:
-            found = _lltokenizer(tokenizer)
-        except ValueError as exc:
-            found = exc
-        _TOKENIZERS[tokenizer] = found
-    if isinstance(found, ValueError):
-        raise found
-    return found
+class _PerTokenizer(Generic[T]):
+    """What is built once per served tokenizer (it indexes the whole vocabulary): a tokenizer that cannot have
+    one raises the same ValueError every time without being indexed again."""
+
+    def __init__(self, build: Callable[[Any], T]) -> None:
+        self._build = build
+        self._made: weakref.WeakKeyDictionary[Any, T | ValueError] = weakref.WeakKeyDictionary()
+
+    def __call__(self, tokenizer: Any) -> T:
+        found = self._made.get(tokenizer)
+        if found is None:
+            try:
+                found = self._build(tokenizer)
+            except ValueError as exc:
+                found = exc
+            self._made[tokenizer] = found
+        if isinstance(found, ValueError):
+            raise found
+        return found
 
 
-_SPECS: weakref.WeakKeyDictionary[Any, TokenizerSpec | ValueError] = weakref.WeakKeyDictionary()
-
-
-def tokenizer_spec(tokenizer: Any) -> TokenizerSpec:
-    """A served tokenizer as the grammar worker builds it, made once (a ValueError too, as `lltokenizer`)."""
-    found = _SPECS.get(tokenizer)
-    if found is None:
-        try:
-            found = _spec(tokenizer)
-        except ValueError as exc:
-            found = exc
-        _SPECS[tokenizer] = found
-    if isinstance(found, ValueError):
-        raise found
-    return found
+# The llguidance tokenizer of a served tokenizer, and the same as the grammar worker builds it.
+lltokenizer: _PerTokenizer[llguidance.LLTokenizer] = _PerTokenizer(_lltokenizer)
+tokenizer_spec: _PerTokenizer[TokenizerSpec] = _PerTokenizer(_spec)
 
 
 # ---- the processor --------------------------------------------------------------------------------------

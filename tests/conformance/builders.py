@@ -26,17 +26,27 @@ CORPUS = ["def load(path):\n    return open(path).read()\n", "The quick brown fo
           "If the file is missing, raise an error.", "This module provides a cache of tokens.", "é ü 日本 ✓"]
 
 
-def _tokenizer(out: Path, bos: bool, chat: bool) -> None:
-    """A byte-level BPE trained by `tokenizers`, saved by transformers' PreTrainedTokenizerFast."""
+def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
+    """A BPE trained by `tokenizers`, saved by transformers' PreTrainedTokenizerFast: byte-level (GPT-2, Llama 3,
+    Qwen), or `spm`, Llama 2's SentencePiece layout (Metaspace, byte fallback to <0xNN> tokens)."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if spm:
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=None, fuse_unk=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.pre_tokenizer = None
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        alphabet = [f"<0x{b:02X}>" for b in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials + alphabet)
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
@@ -63,7 +73,7 @@ def hf_folder(kind: Kind, out: Path) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(out)
-    _tokenizer(out, bos=bool(opts.get("bos")), chat=bool(opts.get("chat")))
+    _tokenizer(out, bos=bool(opts.get("bos")), chat=bool(opts.get("chat")), spm=bool(opts.get("spm")))
     if opts.get("seglu"):
         path = out / "model.safetensors"
         save_file(load_file(path) | {"lm_head.multimax_ranges": SEGLU_RANGES, "lm_head.multimax_ts": SEGLU_TS},

@@ -47,6 +47,9 @@ KINDS: tuple[Kind, ...] = (
          {"family": "llama", "seglu": True, "bos": True, "tied": False, "chat": True}),
     Kind("qwen2-plain", "text", "hf", "Hugging Face Qwen2, no SegLU, no bos token, tied, chat template",
          {"family": "qwen2", "seglu": False, "bos": False, "tied": True, "chat": True}),
+    Kind("llama-spm", "text", "hf", "Hugging Face Llama with Llama 2's SentencePiece-style tokenizer.json "
+         "(Metaspace, byte fallback), SegLU head, chat template",
+         {"family": "llama", "seglu": True, "bos": True, "tied": False, "chat": True, "spm": True}),
     Kind("qwen3-seglu", "text", "hf", "Hugging Face Qwen3, SegLU head, bos token, untied, no chat template",
          {"family": "qwen3", "seglu": True, "bos": True, "tied": False, "chat": False}),
     Kind("deit-project", "vision", "deit", "a fresh DeiT in the project's checkpoint format (MultiMax attention + "

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi.responses import StreamingResponse
 
-from benchmarks.server import free_port, wait_ready
+from benchmarks.server import in_thread
 from service.base.config import Settings
 from service.edge.app import create_app
 from service.edge.slowclient import header_timeout_protocol
@@ -35,17 +33,9 @@ def server() -> Iterator[int]:
             raise RuntimeError("unexpected mid-stream")
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                            http=header_timeout_protocol(settings.header_timeout_s, settings.idle_timeout_s,
-                                                         settings.max_connections))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_ready(f"http://127.0.0.1:{port}")
-    yield port
-    server.should_exit = True
-    thread.join(timeout=30)
+    with in_thread(app, http=header_timeout_protocol(settings.header_timeout_s, settings.idle_timeout_s,
+                                                     settings.max_connections)) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def test_a_500_keeps_the_connection_usable(server: int) -> None:

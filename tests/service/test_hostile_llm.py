@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,9 +21,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
-from benchmarks.server import free_port, start, stop
+from benchmarks.server import in_thread, start, stop
 from models.demo import DEMO_DIR
 from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
@@ -63,20 +60,8 @@ def lark_chain(rules: int) -> str:
 @pytest.fixture(scope="module")
 def default_url() -> Iterator[str]:
     """The server with its default limits, in this process (uvicorn on a loopback port)."""
-    app = create_app(Settings(models=(LLAMA, GPT), warmup_calls=0))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with in_thread(create_app(Settings(models=(LLAMA, GPT), warmup_calls=0))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
