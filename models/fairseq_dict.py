@@ -211,6 +211,12 @@ class FairseqTokenizer:
         # begins with </s> either way (fairseq's LM input); encode_batch releases the GIL (models.hf_tokenizer)
         return list(self.tokenizer.encode_batch([text])[0].ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
+    def joins_next(self, token: int) -> bool:
+        return False
+
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         out = bytearray()
         for i in ids:

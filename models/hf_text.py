@@ -14,6 +14,7 @@ same for a model folder's tokenizer.json:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
@@ -35,10 +36,13 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
-def _is_byte_level(hf: HFTokenizer) -> bool:
+def _decoder_kinds(hf: HFTokenizer) -> list[str | None]:
     decoder = json.loads(hf.tokenizer.to_str()).get("decoder") or {}
-    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
-    return "ByteLevel" in kinds
+    return [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one byte a token
+SPM_SPACE = "\u2581"
 
 
 class HFTextTokenizer:
@@ -49,12 +53,17 @@ class HFTextTokenizer:
     def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf
         self.chat_template = hf.chat_template
-        self.byte_level = _is_byte_level(hf)
+        kinds = _decoder_kinds(hf)
+        self.byte_level = "ByteLevel" in kinds
+        # SentencePiece's layout (Llama 2, Mistral, Gemma): U+2581 for a space, <0xNN> for a byte it has no piece for
+        self.spm_pieces = not self.byte_level and ("ByteFallback" in kinds or "Metaspace" in kinds)
         self.concatenates = self.byte_level  # decode_bytes joins each token's own bytes (stop_match's tail)
         added = hf.tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._alphabet = _byte_level_alphabet() if self.byte_level else {}
         self._bytes: dict[int, bytes] = {}
+        vocab = hf.tokenizer.get_vocab(with_added_tokens=False) if self.spm_pieces else {}
+        self._byte_pieces = frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +100,12 @@ class HFTextTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.hf.decode(ids, skip_special)
 
+    def joins_next(self, token: int) -> bool:
+        """A byte-fallback piece: `tokenizers` decodes a run of them together (a run that is not valid UTF-8 as a
+        whole becomes one U+FFFD a byte, even a byte that would be a character alone), so the text so far is final
+        only once the run ends."""
+        return token in self._byte_pieces
+
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes (special tokens: none)."""
         cached = self._bytes.get(token)
@@ -102,6 +117,10 @@ class HFTextTokenizer:
             piece = self.hf.tokenizer.id_to_token(token) or ""
             alphabet = self._alphabet
             data = bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else piece.encode()
+        elif self.spm_pieces:  # the piece itself: decoding one token alone strips its leading space, or its byte
+            piece = self.hf.tokenizer.id_to_token(token) or ""
+            byte = _BYTE_PIECE.fullmatch(piece)
+            data = bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPM_SPACE, " ").encode("utf-8")
         else:
             data = self.hf.decode([token]).encode("utf-8")
         self._bytes[token] = data

@@ -49,6 +49,12 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if bos else ids
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
+    def joins_next(self, token: int) -> bool:
+        return False
+
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The raw bytes of `ids`, special tokens dropped (stop-sequence matching works on these)."""
         out = bytearray()
@@ -129,6 +135,16 @@ class TextTokenizer(Protocol):
     def encode(self, text: str, bos: bool = False) -> list[int]: ...
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (a special token: none), as logprobs and echo name it: what it adds to a text,
+        its leading space and a byte that is part of a character included."""
+        ...
+
+    def joins_next(self, token: int) -> bool:
+        """Whether the text decoded up to this token may still change with the next one (SentencePiece's byte
+        fallback decodes a run of byte pieces together): a stream waits before sending it."""
+        ...
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
 

@@ -26,8 +26,10 @@ Decode = Callable[[Sequence[int]], str]
 class IncrementalDetokenizer:
     """The text of one sequence's generated tokens, step by step (`step`), never cutting a character."""
 
-    def __init__(self, decode: Decode, prompt: Sequence[int], stops: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, prompt: Sequence[int], stops: Sequence[str] = (),
+                 joins_next: Callable[[int], bool] | None = None) -> None:
         self._decode = decode
+        self._joins_next = joins_next  # a token whose text the next one may still change (TextTokenizer.joins_next)
         context = list(prompt[-PROMPT_CONTEXT:])
         self._ids: list[int] = context
         self._context = len(context)
@@ -40,6 +42,8 @@ class IncrementalDetokenizer:
         self._marks: list[tuple[int, int, int]] = [(0, 0, 0)]
 
     def _advance(self, final: bool) -> None:
+        if not final and self._joins_next is not None and self._joins_next(self._ids[-1]):
+            return  # wait for the token after it: until then the text decoded so far may still change
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT)):

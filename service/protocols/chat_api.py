@@ -172,8 +172,7 @@ async def read_chat(request: Request, runtimes: Runtimes) -> ChatCompletionReque
 
 
 def _token_bytes(tok: Any, token: int) -> list[int]:
-    data = tok.token_bytes(token) if hasattr(tok, "token_bytes") else tok.decode_bytes([token])
-    return list(data)
+    return list(tok.token_bytes(token))
 
 
 def logprobs_content(tok: Any, tokens: list[int], lps: TokenLogprobs, top: int, start: int = 0,

@@ -49,7 +49,7 @@ def usage(groups: list[list[GenSequence]]) -> dict[str, int]:
 def token_text(tokenizer: TextTokenizer, token: int) -> str:
     """A token as OpenAI's logprobs name it: its text, or `bytes:\\xNN` for a byte that is not a whole UTF-8
     character; special tokens by name."""
-    data = tokenizer.decode_bytes([token])
+    data = tokenizer.token_bytes(token)
     if not data:
         return tokenizer.decode([token], skip_special=False)
     try:

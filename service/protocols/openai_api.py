@@ -546,7 +546,7 @@ async def _all_done(seqs: list[GenSequence], changed: asyncio.Event) -> None:
 def step_reader(tokenizer: Any, seq: GenSequence) -> StepReader:
     """A sequence's stream of step texts, detokenized incrementally, stop strings held back."""
     stops = [b.decode("utf-8", errors="replace") for b in seq.params.stop]
-    return StepReader(seq, IncrementalDetokenizer(tokenizer.decode, seq.prompt, stops))
+    return StepReader(seq, IncrementalDetokenizer(tokenizer.decode, seq.prompt, stops, tokenizer.joins_next))
 
 
 async def _stream(rt: TextRuntime, groups: list[list[GenSequence]], changed: asyncio.Event, meta: dict[str, Any],

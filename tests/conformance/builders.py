@@ -48,6 +48,10 @@ def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
         trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
+    if spm:  # the <0xNN> pieces are the model's vocabulary (as in Llama 2's file), not added special tokens
+        data = json.loads(tok.to_str())
+        data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in specials]
+        tok = Tokenizer.from_str(json.dumps(data))
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>" if bos else None,

@@ -1,0 +1,57 @@
+"""How logprobs and echo name a Hugging Face tokenizer's tokens: each token by what it adds to a text. A
+SentencePiece-style tokenizer.json (Llama 2, Mistral: U+2581 for a space, <0xNN> byte fallback) decoded one token
+at a time strips a piece's leading space and turns a byte of a character into U+FFFD, so its pieces are read
+instead; special tokens go by their names (two top_logprobs entries of one name would collide in OpenAI's dict)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from models.hf_text import HFTextTokenizer
+from models.hf_tokenizer import HFTokenizer
+from service.protocols.choices import token_text
+from tests.conformance.builders import _tokenizer
+
+
+@pytest.mark.parametrize("spm", [True, False])
+def test_each_token_is_named_by_what_it_adds(tmp_path: Path, spm: bool) -> None:
+    _tokenizer(tmp_path, bos=True, chat=False, spm=spm)
+    tok = HFTextTokenizer(HFTokenizer.from_folder(tmp_path))
+    assert tok.spm_pieces is spm and tok.byte_level is not spm
+    text = "Return the é 日本 ✓ Ω"  # Ω is in no training text: bytes of no piece of its own
+    ids = tok.encode(text, bos=False)
+    names = [token_text(tok, i) for i in ids]
+    # concatenated, the names spell the text (the space a SentencePiece tokenizer prepends included)
+    raw = b"".join(tok.token_bytes(i) for i in ids)
+    assert raw.decode("utf-8") == (" " + text if spm else text)
+    assert len(set(names)) == len(set(ids))  # one name per distinct token
+    assert any(n.startswith("bytes:") for n in names)
+    eos = tok.eos_id
+    assert token_text(tok, eos) == "</s>" and tok.token_bytes(eos) == b""
+    if spm:
+        space = tok.hf.tokenizer.token_to_id("\u2581")
+        assert token_text(tok, space) == " "
+
+
+def test_a_stream_of_byte_pieces_is_the_whole_text(tmp_path: Path) -> None:
+    """`tokenizers` decodes a run of SentencePiece byte pieces together: <0x7F> alone is DEL, but <0x7F><0xE6>
+    (not UTF-8 as a run) is two U+FFFD. A stream waits for a run to end, so what it sent is the whole text's."""
+    from service.engine.detokenizer import IncrementalDetokenizer
+
+    _tokenizer(tmp_path, bos=True, chat=False, spm=True)
+    tok = HFTextTokenizer(HFTokenizer.from_folder(tmp_path))
+    piece = tok.hf.tokenizer.token_to_id
+    words = [tok.encode(w, bos=False)[-1] for w in ("num", "the")]
+    runs = [[piece("<0x7F>"), piece("<0xE6>")], [piece("<0xC3>"), piece("<0xA9>")], [piece("<0xE6>")]]
+    for seq in ([words[0], *runs[0], words[1]], [*runs[1], words[0], *runs[2]], [*runs[0], *runs[2], words[1]]):
+        detok = IncrementalDetokenizer(tok.decode, [], (), tok.joins_next)
+        sent = "".join(detok.step(seq[:n], final=n == len(seq)) for n in range(1, len(seq) + 1))
+        assert sent == tok.decode(seq), seq
+        without = IncrementalDetokenizer(tok.decode, [], ())
+        unaware = "".join(without.step(seq[:n], final=n == len(seq)) for n in range(1, len(seq) + 1))
+        if seq[1:3] == runs[0]:
+            assert unaware != tok.decode(seq)  # what the stream sent before: DEL, then one U+FFFD
