@@ -161,6 +161,8 @@ class FairseqTokenizer:
     """
 
     type = TOKENIZER_TYPE
+    chat_template: str | None = None
+    concatenates = False  # a word's text depends on its neighbours only through the spaces: decoded whole
 
     def __init__(self, entry: dict[str, Any]) -> None:
         self.entry = entry
@@ -216,6 +218,9 @@ class FairseqTokenizer:
 
     def joins_next(self, token: int) -> bool:
         return False
+
+    def special_texts(self) -> dict[str, str]:
+        return {}
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         out = bytearray()

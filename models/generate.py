@@ -30,6 +30,8 @@ from models.tokenizer import ByteTokenizer
 class Detokenizer(Protocol):
     """What stop sequences need of a tokenizer (models.tokenizer.ByteTokenizer, models.hf_tokenizer.HFTokenizer)."""
 
+    concatenates: bool  # the bytes of ids a + b are a's then b's: stop_match decodes only the last tokens
+
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
 
@@ -88,12 +90,6 @@ def stop_bytes(stop: Sequence[str | bytes] | None) -> list[bytes]:
     return [s for s in out if s]
 
 
-def _concatenates(tokenizer: Detokenizer) -> bool:
-    """Whether the bytes of tokens a + b are a's then b's: the byte tokenizer's (its ids are bytes), and any that
-    says so (`concatenates`: models.hf_text's byte-level BPE)."""
-    return isinstance(tokenizer, ByteTokenizer) or bool(getattr(tokenizer, "concatenates", False))
-
-
 @dataclass(frozen=True)
 class StopHit:
     """Where a stop sequence was found: how many tokens to keep (those wholly before it) and the bytes a token
@@ -117,7 +113,7 @@ def stop_match(tokens: Sequence[int], stops: Sequence[bytes], tokenizer: Detoken
         return None
     longest = max(map(len, stops))
     start = 0
-    if _concatenates(tokenizer):
+    if tokenizer.concatenates:
         held, start = 0, len(tokens) - 1
         while start and held < longest - 1:
             start -= 1

@@ -100,6 +100,9 @@ class HFTextTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.hf.decode(ids, skip_special)
 
+    def special_texts(self) -> dict[str, str]:
+        return {k: v for k, v in self.hf.special.items() if v is not None}
+
     def joins_next(self, token: int) -> bool:
         """A byte-fallback piece: `tokenizers` decodes a run of them together (a run that is not valid UTF-8 as a
         whole becomes one U+FFFD a byte, even a byte that would be a character alone), so the text so far is final

@@ -27,6 +27,7 @@ def _token_text(value: Any) -> str | None:
 
 class HFTokenizer:
     type = "hf"
+    concatenates = False  # decoded whole (models.hf_text.HFTextTokenizer knows when a byte-level BPE concatenates)
 
     def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any], chat_template: str | None = None,
                  eos_ids: Sequence[int] = (), source: str = "tokenizer.json") -> None:

@@ -16,6 +16,8 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; `<|bos|>` 256, `<|eos|>` 257, `<|pad|>` 258."""
 
     type = "byte"
+    chat_template: str | None = None  # no chat template: chat is refused
+    concatenates = True  # the bytes of ids a + b are a's then b's
 
     def __init__(self) -> None:
         self.special_tokens = dict(SPECIAL_TOKENS)
@@ -54,6 +56,9 @@ class ByteTokenizer:
 
     def joins_next(self, token: int) -> bool:
         return False
+
+    def special_texts(self) -> dict[str, str]:
+        return {}
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The raw bytes of `ids`, special tokens dropped (stop-sequence matching works on these)."""
@@ -109,6 +114,9 @@ class TextTokenizer(Protocol):
     (`models.fairseq_dict.FairseqTokenizer`). Text is the concatenation of the tokens' bytes."""
 
     type: str
+    chat_template: str | None  # the Jinja chat template, or None (chat is refused)
+    # whether the bytes of ids a + b are a's then b's (models.generate.stop_match decodes only the tail)
+    concatenates: bool
 
     @property
     def vocab_size(self) -> int: ...
@@ -139,6 +147,10 @@ class TextTokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes (a special token: none), as logprobs and echo name it: what it adds to a text,
         its leading space and a byte that is part of a character included."""
+        ...
+
+    def special_texts(self) -> dict[str, str]:
+        """The special tokens' texts by role (`bos`, `eos`, ...), as a chat template reads them (`bos_token`)."""
         ...
 
     def joins_next(self, token: int) -> bool:

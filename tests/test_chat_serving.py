@@ -340,6 +340,7 @@ class Steered:
         self.inner = inner
         self.script: dict[int, int] = {}
         self.nan_at: set[int] = set()
+        self.keeps_last_logits, self.cache_layout = inner.keeps_last_logits, inner.cache_layout
 
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)
@@ -347,8 +348,9 @@ class Steered:
     def reserve(self, positions: int) -> None:
         self.inner.reserve(positions)
 
-    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any) -> Any:
-        logits, presents = self.inner.run_text(ids, mask, positions, past)
+    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
+                 last_only: bool = False) -> Any:
+        logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)
         logits = logits.clone()
         for row, pos in enumerate(positions[:, -1].tolist()):
             if pos in self.script:

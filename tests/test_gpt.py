@@ -197,6 +197,8 @@ def test_stop_sequences_truncate() -> None:
 class _WholeText:
     """A tokenizer without `concatenates`: stop_match decodes the whole text each time."""
 
+    concatenates = False
+
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 

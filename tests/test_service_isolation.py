@@ -36,6 +36,7 @@ class FaultyText:
         self.inner = OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx")
         self.raise_at, self.nan_at = raise_at, nan_at
         self.calls: list[int] = []  # batch size of every call
+        self.keeps_last_logits, self.cache_layout = self.inner.keeps_last_logits, self.inner.cache_layout
 
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)
@@ -43,7 +44,8 @@ class FaultyText:
     def reserve(self, positions: int) -> None:
         self.inner.reserve(positions)
 
-    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any) -> Any:
+    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
+                 last_only: bool = False) -> Any:
         self.calls.append(len(ids))
         if ((ids == POISON) & (mask[:, -ids.shape[1]:] == 1)).any():
             raise RuntimeError("poisoned prompt")

@@ -174,7 +174,7 @@ class GenaiTextBackend(TextBackend):
             self._logits_row = (width, _NUMPY_TYPES[logits_out.type])
 
     def run_text(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                 past: Past) -> tuple[np.ndarray, Past]:
+                 past: Past, last_only: bool = False) -> tuple[np.ndarray, Past]:
         if input_ids.shape[1] == 1 and past and past[0][0].shape[2] > 0:
             return self._step_in_place(input_ids, attention_mask, position_ids, past)
         if not self.right_padded:

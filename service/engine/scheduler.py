@@ -215,8 +215,7 @@ class TextScheduler:
         self.backend = backend
         self.tokenizer = tokenizer
         # a Hugging Face tokenizer may name several end ids (generation_config.json); any of them ends a sequence
-        eos = getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,)
-        self.eos_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
+        self.eos_ids: tuple[int, ...] = tuple(i for i in tokenizer.eos_ids if i is not None and i >= 0)
         self.context_length = context_length
         self.executor = executor
         self.metrics = metrics
@@ -232,7 +231,7 @@ class TextScheduler:
         self._past: Past = []
         self._mask = np.zeros((0, 0), np.int64)
         self._chunked: deque[_Chunked] = deque()  # long prompts being prefilled a chunk a step, first come first
-        self._layout = getattr(backend, "cache_layout", kvcache.LEFT)  # how the backend's cache rows are padded
+        self._layout = backend.cache_layout  # how the backend's cache rows are padded
         # prefill_prompts: model rows prefilled; burst_waits: idle prefills that waited for more arrivals
         # prefill_chunks: calls that prefilled a chunk of a long prompt (each also counts as a prefill)
         self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0, "burst_waits": 0, "prefill_chunks": 0}
@@ -658,8 +657,8 @@ class TextScheduler:
                      last_only: bool) -> tuple[Any, Past]:
         """A prefill call (or a chunk of one); with last_only, one row of logits per prompt where the backend can
         (keeps_last_logits: the LM head and SegLU over a whole prompt are wasted work), else T rows."""
-        if last_only and getattr(self.backend, "keeps_last_logits", False):
-            return self.backend.run_text(ids, mask, positions, past, last_only=True)  # type: ignore[call-arg]
+        if last_only and self.backend.keeps_last_logits:
+            return self.backend.run_text(ids, mask, positions, past, last_only=True)
         return self.backend.run_text(ids, mask, positions, past)
 
     def _join(self, seqs: list[GenSequence], index: list[int], last_logits: Any, presents: Past, mask: np.ndarray,

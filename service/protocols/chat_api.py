@@ -130,12 +130,11 @@ def chat_prompt(rt: TextRuntime, req: ChatCompletionRequest) -> list[int]:
     template refuses the conversation). Long conversations are rendered and encoded on a thread
     (prompt_encoding.run)."""
     tok = rt.tokenizer
-    template = getattr(tok, "chat_template", None)
+    template = tok.chat_template
     if not template:
         raise bad_request(f"model {rt.name!r} has no chat template (tokenizer_config.json has no chat_template); "
                           "use /v1/completions", "model", code="no_chat_template")
-    hf = getattr(tok, "hf", None)
-    specials = dict(getattr(hf, "special", {}))
+    specials = tok.special_texts()
     try:
         text = render(template, conversation(req), specials, add_generation_prompt=True)
     except ChatTemplateError as exc:

@@ -79,10 +79,12 @@ class TextBackend(Backend):
 
     @abstractmethod
     def run_text(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past,
+        last_only: bool = False,
     ) -> tuple[Any, Past]:
         """One forward: logits (B, T, V) in the backend's array type, and presents = concat(past, new). The logits
-        may be a buffer that the backend's next call overwrites (decode steps on onnxruntime): use them first."""
+        may be a buffer that the backend's next call overwrites (decode steps on onnxruntime): use them first.
+        `last_only`: (B, 1, V) will do, where the backend `keeps_last_logits` (others ignore it)."""
 
     @abstractmethod
     def empty_past(self, batch: int) -> Past:
@@ -109,8 +111,12 @@ class TextBackend(Backend):
 class TextModel(Protocol):
     """What the decode loop calls: a `TextBackend`, or anything with its methods (test doubles)."""
 
+    keeps_last_logits: bool
+    cache_layout: str
+
     def run_text(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past,
+        last_only: bool = False,
     ) -> tuple[Any, Past]: ...
 
     def empty_past(self, batch: int) -> Past: ...

@@ -111,7 +111,8 @@ class OrtTextBackend(_OrtBackend, TextBackend):
         self.past_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
 
     def run_text(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, Past]:
         if len(past) != self.n_layer:
             raise ValueError(f"past of {len(past)} layers for a model of {self.n_layer}")
