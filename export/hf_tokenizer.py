@@ -52,6 +52,8 @@ def tokenizer_files(entry: dict[str, Any] | None, source: Path | None, context: 
     if source is not None:
         tok = HFTokenizer.from_folder(source)
         files = {n: (source / n).read_bytes() for n in HF_FOLDER_FILES if (source / n).is_file()}
+        if "tokenizer_config.json" in files:
+            files["tokenizer_config.json"] = _json(genai_readable_config(json.loads(files["tokenizer_config.json"])))
         eos = [int(i) for i in (entry or {}).get("eos_ids") or []] or ([tok.eos_id] if tok.eos_id is not None else [])
         if not eos:
             raise ExportError(f"{source}: no end-of-sequence token (generation_config.json's eos_token_id or "
@@ -82,6 +84,13 @@ def tokenizer_files(entry: dict[str, Any] | None, source: Path | None, context: 
              "tokenizer_config.json": _json(tokenizer_config(byte, context)),
              "special_tokens_map.json": _json(special_tokens_map(byte))}
     return TokenizerFiles(files, byte.bos_id, [byte.eos_id], byte.pad_id)
+
+
+def genai_readable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A folder's tokenizer_config.json without its null entries: transformers writes `"chat_template": null` for a
+    tokenizer without one, and onnxruntime-genai's tokenizer then fails to load ("type must be string, but is
+    null"), so the folder's export said `passed (1 check skipped)` and onnxruntime-genai could not tokenize."""
+    return {k: v for k, v in config.items() if v is not None}
 
 
 def byte_to_char() -> dict[int, str]:

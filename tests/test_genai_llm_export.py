@@ -233,3 +233,19 @@ def test_broken_folder_exits_2_and_writes_nothing(hf_folders: dict[str, Path], t
     code, out, err = export([str(broken), "-o", str(tmp_path / "out")])
     assert code == 2 and "missing.safetensors" in err, out + err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_a_null_chat_template_is_left_out_of_the_genai_folder(tmp_path: Path) -> None:
+    """transformers writes `"chat_template": null` for a tokenizer without one; onnxruntime-genai's tokenizer
+    fails on a null string, so the folder's tokenizer_config.json leaves null entries out."""
+    from export.hf_tokenizer import tokenizer_files
+    from models.demo import DEMO_DIR
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((DEMO_DIR / "llama_seglu" / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": None}))
+    written = json.loads(tokenizer_files(None, folder, 256, 4096).files["tokenizer_config.json"])
+    assert "chat_template" not in written and written["eos_token"] == config["eos_token"]

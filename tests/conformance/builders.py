@@ -35,8 +35,8 @@ def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
     specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
     if spm:
         tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=None, fuse_unk=True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-        tok.pre_tokenizer = None
+        # trained split at spaces, as SentencePiece trains (no merge crosses a word); saved as Llama 2's file is
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
         alphabet = [f"<0x{b:02X}>" for b in range(256)]
@@ -52,12 +52,19 @@ def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
         data = json.loads(tok.to_str())
         data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in specials]
         tok = Tokenizer.from_str(json.dumps(data))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.pre_tokenizer = None
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>" if bos else None,
                                                 eos_token="</s>", pad_token="<pad>",
                                                 chat_template=CHATML if chat else None)
     fast.save_pretrained(out)
+    if spm:  # what a Llama 2 folder's config says (onnxruntime-genai reads its tokenizer by this class)
+        config_path = out / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config.update(tokenizer_class="LlamaTokenizer", add_bos_token=bos, add_eos_token=False)
+        config_path.write_text(json.dumps(config, indent=2))
 
 
 def hf_folder(kind: Kind, out: Path) -> Path:
