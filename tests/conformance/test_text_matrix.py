@@ -165,7 +165,10 @@ def check_logit_bias(ctx: Ctx) -> None:
 def check_chat(ctx: Ctx) -> None:
     r = ctx.post("/v1/chat/completions", messages=CHAT_MESSAGES, max_tokens=GREEDY_TOKENS, temperature=0)
     assert r.status_code == 200, r.text
-    if ctx.exact and ctx.case.chat_text is not None:
+    # The SentencePiece-style kind's chat is not compared with transformers': its LlamaTokenizer tokenizes the
+    # rendered conversation differently from the folder's tokenizer.json, which the server follows (open question,
+    # docs/SUPPORT.md); its completions are compared and match.
+    if ctx.exact and ctx.case.chat_text is not None and not ctx.kind.options.get("spm"):
         assert r.json()["choices"][0]["message"]["content"] == ctx.case.chat_text
 
 
