@@ -540,7 +540,7 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     from models.checkpoint import load
     from models.cli import main as models_main
     from plugins import ort_ops
-    from service.engine import kvcache
+    from service.engine.text import kvcache
     from service.engine.model_folders import GenaiTextBackend
 
     assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
@@ -620,8 +620,8 @@ def test_genai_folder_prefills_a_long_prompt_in_chunks_beside_a_running_stream(t
     from models.cli import main as models_main
     from service.base.metrics import Metrics
     from service.engine.model_folders import load_genai_folder
-    from service.engine.sampler import SamplingParams
-    from service.engine.scheduler import GenSequence, TextScheduler
+    from service.engine.text.sampler import SamplingParams
+    from service.engine.text.scheduler import GenSequence, TextScheduler
 
     assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
     model, ckpt, _ = load(tmp_path / "m.pt")

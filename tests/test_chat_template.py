@@ -1,5 +1,5 @@
 """The server's chat-template rendering equals transformers' apply_chat_template, and incremental detokenization
-never cuts a character and never lets a stop string out (service.protocols.chat_template, service.engine.detokenizer,
+never cuts a character and never lets a stop string out (service.protocols.chat_template, service.engine.text.detokenizer,
 models.hf_text)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from models.hf_text import HFTextTokenizer  # noqa: E402
 from models.hf_tokenizer import HFTokenizer  # noqa: E402
 from models.tokenizer import ByteTokenizer  # noqa: E402
-from service.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from service.engine.text.detokenizer import IncrementalDetokenizer  # noqa: E402
 from service.protocols.chat_template import ChatTemplateError, render  # noqa: E402
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -20,7 +20,7 @@ from benchmarks.loadtest.prom import sample_value
 from benchmarks.server import start, stop
 from service.base.config import Settings
 from service.edge.app import create_app
-from service.engine.sampler import sample_token
+from service.engine.text.sampler import sample_token
 from service.protocols.choices import offsets, token_text
 
 MODEL = "text_multimax"

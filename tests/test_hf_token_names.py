@@ -40,7 +40,7 @@ def test_each_token_is_named_by_what_it_adds(tmp_path: Path, spm: bool) -> None:
 def test_a_stream_of_byte_pieces_is_the_whole_text(tmp_path: Path) -> None:
     """`tokenizers` decodes a run of SentencePiece byte pieces together: <0x7F> alone is DEL, but <0x7F><0xE6>
     (not UTF-8 as a run) is two U+FFFD. A stream waits for a run to end, so what it sent is the whole text's."""
-    from service.engine.detokenizer import IncrementalDetokenizer
+    from service.engine.text.detokenizer import IncrementalDetokenizer
 
     _tokenizer(tmp_path, bos=True, chat=False, spm=True)
     tok = HFTextTokenizer(HFTokenizer.from_folder(tmp_path))

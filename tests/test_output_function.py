@@ -19,7 +19,7 @@ from models.deit import DeiT, DeiTConfig
 from models.generate import sample_next
 from models.gpt import GPT, GPTConfig
 from models.tokenizer import ByteTokenizer
-from service.engine.sampler import sample_token, token_logprobs
+from service.engine.text.sampler import sample_token, token_logprobs
 
 
 def test_config_takes_the_output_functions_and_says_why_not_the_others() -> None:

@@ -1,4 +1,4 @@
-"""The batched sampler (service.engine.sampler): penalties, logit_bias and processors against direct computations on
+"""The batched sampler (service.engine.text.sampler): penalties, logit_bias and processors against direct computations on
 known
 logits, greedy exactness, seeded rows that do not depend on their batch-mates, the distribution drawn from, one
 row's failure staying its own; then the request fields over HTTP (400 naming the field) and a processor in the
@@ -23,7 +23,7 @@ from service.base.config import Settings
 from service.base.metrics import Metrics
 from service.edge.app import create_app
 from service.engine.backends.onnxruntime import OnnxRuntimeBackend
-from service.engine.sampler import (
+from service.engine.text.sampler import (
     ProcessorFailed,
     SamplingParams,
     _plain_greedy,
@@ -33,7 +33,7 @@ from service.engine.sampler import (
     sample,
     sample_token,
 )
-from service.engine.scheduler import GenSequence, TextScheduler
+from service.engine.text.scheduler import GenSequence, TextScheduler
 from service.protocols.engine_status import http_error
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], dtype=torch.float64)

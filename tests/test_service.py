@@ -37,12 +37,12 @@ from plugins import ort_ops
 from service.base.config import Settings, build_parser, load_settings
 from service.base.metrics import Metrics
 from service.edge.app import create_app
-from service.engine import kvcache
+from service.engine.text import kvcache
 from service.engine.batcher import DynamicBatcher
 from service.engine.engine_errors import EngineError
 from service.engine.registry import RegistryError, choose, load_registry
-from service.engine.sampler import SamplingParams
-from service.engine.scheduler import GenSequence, TextScheduler
+from service.engine.text.sampler import SamplingParams
+from service.engine.text.scheduler import GenSequence, TextScheduler
 from service.engine.text_detok import TextStream
 from service.engine.vision import Preprocess, decode_image, preprocess
 from service.protocols.engine_status import http_error
@@ -811,7 +811,7 @@ def test_an_idle_model_prefills_a_burst_of_arrivals_together(service_text_model:
     """Clients starting together reach the scheduler a little apart (each handler parses its request first): an
     idle model waits for the burst and prefills it once; a lone request does not wait. (The gap is widened here so
     that a loaded machine's timer lag cannot split the burst.)"""
-    from service.engine import scheduler as scheduler_module
+    from service.engine.text import scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "BURST_GAP_S", 0.05)
     monkeypatch.setattr(scheduler_module, "BURST_MAX_S", 5.0)
@@ -946,7 +946,7 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
     """The worker wakes the loop at most every handoff_interval_s (--stream-interval-ms; or every HANDOFF_MAX_STEPS
     steps); each step is still applied on its own and in order (seq.steps: one mark per step, what a stream sends
     one event for), and the tokens are the reference generation's."""
-    from service.engine import scheduler
+    from service.engine.text import scheduler
 
     drains = 0
 

@@ -20,8 +20,8 @@ from service.base.config import Settings
 from service.base.metrics import Metrics
 from service.edge.app import create_app
 from service.engine.backends.onnxruntime import OnnxRuntimeBackend
-from service.engine.sampler import SamplingParams
-from service.engine.scheduler import GenSequence, TextScheduler
+from service.engine.text.sampler import SamplingParams
+from service.engine.text.scheduler import GenSequence, TextScheduler
 from service.protocols.engine_status import http_error
 
 TOK = ByteTokenizer()

@@ -255,7 +255,7 @@ def test_a_processor_that_raises_fails_only_its_sequence() -> None:
     from models.demo import DEMO_DIR
     from service.base.metrics import Metrics
     from service.engine.backends.onnxruntime import OnnxRuntimeBackend
-    from service.engine.generation import GenSequence, SamplingParams, TextScheduler
+    from service.engine.text import GenSequence, SamplingParams, TextScheduler
     from service.protocols.engine_status import http_error
 
     tok = ByteTokenizer()

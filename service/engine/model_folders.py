@@ -25,7 +25,7 @@ from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
 from service.base.config import Settings
-from service.engine import kvcache
+from service.engine.text import kvcache
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend, grown_length
 from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
@@ -111,7 +111,7 @@ class GenaiTextBackend(TextBackend):
     genai_config.json, whatever the architecture. The cache lives in buffers with room at their end, and decode
     steps write into them in place (IOBinding, past and present one buffer, as onnxruntime-genai runs the
     folder); a GroupQueryAttention graph keeps its rows right-padded, a MultiMaxAttention graph left-padded
-    (service.engine.kvcache's layouts). A prefill is a plain call (present = its new keys)."""
+    (service.engine.text.kvcache's layouts). A prefill is a plain call (present = its new keys)."""
 
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"

@@ -23,7 +23,7 @@ from service.engine.batcher import DynamicBatcher
 from service.engine.decoding import DecodePool
 from service.engine.engine_errors import ShuttingDown
 from service.engine.entry import Failed, Loaded, ModelEntry
-from service.engine.scheduler import TextScheduler
+from service.engine.text.scheduler import TextScheduler
 from service.engine.vision import Preprocess
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Streaming text of a byte-level tokenizer: whole UTF-8 characters only, stop sequences held back until ruled out.
 
-(The incremental detokenizer for Hugging Face tokenizers is service.engine.detokenizer.)
+(The incremental detokenizer for Hugging Face tokenizers is service.engine.text.detokenizer.)
 """
 
 from __future__ import annotations

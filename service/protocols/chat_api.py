@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
 from service.base.tracing import phase
-from service.engine.generation import GenSequence, TokenLogprobs
+from service.engine.text import GenSequence, TokenLogprobs
 from service.engine.runtime import Runtimes, TextRuntime
 from service.protocols import choices, fields, prompt_encoding
 from service.protocols.chat_template import ChatTemplateError, render

@@ -4,7 +4,7 @@ Field names, defaults, the error shape and the stream format (`data: {chunk}` ev
 `data: [DONE]`) are OpenAI's, so the official client works unchanged. logprobs, echo, n and best_of work as
 OpenAI's legacy completions API has them (`service.protocols.choices`), with vLLM's extensions ignore_eos, min_tokens,
 repetition_penalty and stream_options.continuous_usage_stats (docs/SERVICE.md has the table); presence_penalty,
-frequency_penalty and logit_bias as OpenAI defines them (service.engine.sampler applies them).
+frequency_penalty and logit_bias as OpenAI defines them (service.engine.text.sampler applies them).
 Options this server cannot
 honour (suffix, tools, unknown fields: `service.protocols.fields`) are refused with 400 rather than silently ignored;
 structured output (response_format, guided_*) is `service.protocols.structured`.
@@ -34,11 +34,11 @@ from service.base.config import Settings
 from service.base.errors import LOOKUP, MODEL_CALL, ServiceError, bad_request, error_responses, openai_body, shown
 from service.base.jsonio import check_size, loads
 from service.base.tracing import phase
-from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.text.detokenizer import IncrementalDetokenizer
 from service.engine.engine_errors import EngineError
 from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime
-from service.engine.sampler import MAX_LOGIT_BIAS, SamplingParams
-from service.engine.scheduler import GenSequence
+from service.engine.text.sampler import MAX_LOGIT_BIAS, SamplingParams
+from service.engine.text.scheduler import GenSequence
 from service.protocols import choices, fields, prompt_encoding, request_text, structured
 from service.protocols.endpoint import ModelCall, count_refused, model_call, model_endpoint
 from service.protocols.engine_status import http_error
@@ -98,7 +98,7 @@ Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_n
 
 class SamplingExtensions(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share beyond OpenAI's basics: vLLM's extensions, the
-    penalties and logit_bias (service.engine.sampler), and structured output (service.protocols.structured)."""
+    penalties and logit_bias (service.engine.text.sampler), and structured output (service.protocols.structured)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.generation import GenSequence
+from service.engine.text.detokenizer import IncrementalDetokenizer
+from service.engine.text import GenSequence
 
 MAX_BACKLOG = 16  # more steps than this waiting: the client reads slower than the model writes
 

@@ -32,7 +32,7 @@ import torch
 from models.tokenizer import TextTokenizer
 from service.base.config import Settings
 from service.base.errors import ServiceError, bad_request
-from service.engine.sampler import LogitsProcessor
+from service.engine.text.sampler import LogitsProcessor
 from service.protocols import grammar_guard, grammar_limits, grammar_worker
 from service.protocols.grammar_limits import GrammarLimits
 from service.protocols.grammar_worker import GrammarJob, GrammarRefused, TokenizerSpec

@@ -2,7 +2,7 @@
 
 Arrays cross this boundary as numpy (vision, token ids, masks). A text backend's KV cache stays in
 its own array type (numpy for ONNX Runtime, torch tensors for PyTorch) so a GPU cache never makes a
-round trip through host memory between decode steps; `service.engine.kvcache` handles both types.
+round trip through host memory between decode steps; `service.engine.text.kvcache` handles both types.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class TextBackend(Backend):
     # True where `run_text(..., last_only=True)` computes only the last position's logits (B, 1, V); callers that
     # need one row take logits[:, -1] either way.
     keeps_last_logits: bool = False
-    # How rows of the cache are padded (service.engine.kvcache: "left-padded" or "right-padded").
+    # How rows of the cache are padded (service.engine.text.kvcache: "left-padded" or "right-padded").
     cache_layout: str = "left-padded"
     reserved: int = 0  # the decode loop's last `reserve` hint (0: none)
 

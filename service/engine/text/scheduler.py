@@ -2,7 +2,7 @@
 
 Each step runs in the model's worker thread and is either
   * a prefill: the sequences admitted since the last step run their (left-padded) prompts in one call
-    with an empty cache; their caches are merged into the running batch (`service.engine.kvcache.merge`). The
+    with an empty cache; their caches are merged into the running batch (`service.engine.text.kvcache.merge`). The
     choices of one prompt (n, best_of: a `group`) are admitted together and prefilled as one row, whose cache
     rows are copied to each; or
   * a decode: every running sequence feeds its last sampled token; one token per sequence; then, while a long
@@ -12,7 +12,7 @@ Finished and cancelled sequences leave the batch at the start of the next step, 
 padding for every row are trimmed, so one long generation never holds up the others and a closed
 stream frees its slot at once. The event-loop side only moves results to the waiting endpoints.
 
-Sampling is service.engine.sampler's (one batched call per step); refusals and failures are the engine's own errors
+Sampling is service.engine.text.sampler's (one batched call per step); refusals and failures are the engine's own errors
 (service.engine.engine_errors), which the edge answers with HTTP statuses.
 """
 
@@ -36,10 +36,10 @@ from models.generate import NonFiniteLogits, stop_match
 from models.tokenizer import TextTokenizer
 from service.base.health import Health
 from service.base.metrics import Metrics
-from service.engine import kvcache
+from service.engine.text import kvcache
 from service.engine.backends.base import Past, TextModel
 from service.engine.engine_errors import EngineError, ModelFailed, QueueFull, ShuttingDown
-from service.engine.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
+from service.engine.text.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class GenSequence:
     # steps' results arrive before it runs (service.protocols.openai_api)
     steps: list[int] = field(default_factory=list)
     # ended by a stop string: the text between the kept tokens and the stop (the start of the token holding the
-    # stop's first byte), so the text ends exactly before the stop as in vLLM (service.engine.detokenizer.stop_tail)
+    # stop's first byte), so the text ends exactly before the stop as in vLLM (service.engine.text.detokenizer.stop_tail)
     stop_tail: bytes = b""
 
     @property
@@ -113,7 +113,7 @@ class _Row:
     def live(self) -> bool:
         return self.finish_reason is None and self.error is None and not self.seq.cancelled
 
-    # what service.engine.sampler reads of a row
+    # what service.engine.text.sampler reads of a row
     @property
     def params(self) -> SamplingParams:
         return self.seq.params
