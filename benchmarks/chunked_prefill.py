@@ -30,8 +30,8 @@ LONG_TOKENS = 16  # tokens the long prompt asks for
 def one_run(entry: Any, chunk: int, streams: int, long_len: int, prompt_len: int = 32) -> dict[str, float]:
     """N streams start together; when the first has ARRIVE_AFTER tokens, a long_len-token prompt arrives."""
     from service.base.metrics import Metrics
-    from service.engine.sampler import SamplingParams
-    from service.engine.scheduler import GenSequence, TextScheduler
+    from service.engine.text.sampler import SamplingParams
+    from service.engine.text.scheduler import GenSequence, TextScheduler
 
     vocab = entry.spec.vocab_size
     running = [GenSequence(p, SamplingParams(RUNNING_TOKENS, temperature=0.0, ignore_eos=True))

@@ -7,7 +7,7 @@
             (token-id prompts, greedy, ignore_eos, fixed max_tokens)
     direct  the server's backend (service.engine.model_folders.GenaiTextBackend over the same model.onnx) in a bare
             batched greedy loop: what the server's decode costs without HTTP, scheduler or sampler
-    engine  the server's decode loop (service.engine.scheduler.TextScheduler: continuous batching, the sampler, the
+    engine  the server's decode loop (service.engine.text.scheduler.TextScheduler: continuous batching, the sampler, the
             hand-off of each step's tokens to an event loop) over that backend in this process, without HTTP:
             server/engine is what the HTTP side costs, engine/direct what the scheduler costs
 
@@ -296,8 +296,8 @@ def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int)
     from models.tokenizer import tokenizer_from_dict
     from service.__main__ import SWITCH_INTERVAL_S
     from service.base.metrics import Metrics
-    from service.engine.sampler import SamplingParams
-    from service.engine.scheduler import GenSequence, TextScheduler
+    from service.engine.text.sampler import SamplingParams
+    from service.engine.text.scheduler import GenSequence, TextScheduler
 
     tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
 

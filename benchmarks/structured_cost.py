@@ -2,7 +2,7 @@
 
 Each step of a guided sequence runs its `service.protocols.structured.GrammarProcessor` (llguidance advances
 the matcher by the last token and computes the allowed-token bitmask; torch masks the logits) and then the
-sampler (`service.engine.sampler.sample` with the row's processors: sampling among the allowed ids). Both are
+sampler (`service.engine.text.sampler.sample` with the row's processors: sampling among the allowed ids). Both are
 timed per token here, with fresh random logits every step (the grammar alone decides validity, and random logits
 walk every branch),
 for four grammars and two tokenizers: the byte-level demo tokenizer (259 ids) and a byte-level BPE
@@ -28,7 +28,7 @@ import torch
 from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import ByteTokenizer
-from service.engine.sampler import SamplingParams, _OneRow, sample, sample_token
+from service.engine.text.sampler import SamplingParams, _OneRow, sample, sample_token
 from service.protocols.structured import processors_for
 
 SCHEMA = {"type": "object", "properties": {

@@ -2,7 +2,7 @@
 
 - `top_k_filter`, `top_p_filter`, `sample_next`: next tokens for a batch of last-position logits (strict: bad
   parameters raise), as `generate` and training samples use them. The server's batched sampler
-  (`service.engine.sampler`: per-row parameters, seeds, penalties, never raising on values the API accepts) takes its
+  (`service.engine.text.sampler`: per-row parameters, seeds, penalties, never raising on values the API accepts) takes its
   parameters in the same order: temperature, top_k, top_p;
 - `stop_bytes`, `stop_match`: stop sequences on the decoded bytes;
 - `left_pad`: prompts of different lengths right-aligned in one batch;

@@ -36,7 +36,7 @@ from models.generate import NonFiniteLogits, stop_match
 from models.tokenizer import TextTokenizer
 from service.base.health import Health
 from service.base.metrics import Metrics
-from service.engine.text import kvcache
+import service.engine.text.kvcache as kvcache
 from service.engine.backends.base import Past, TextModel
 from service.engine.engine_errors import EngineError, ModelFailed, QueueFull, ShuttingDown
 from service.engine.text.sampler import ProcessorFailed, SamplingParams, TokenLogprobs, new_generator, sample, token_logprobs
