@@ -340,7 +340,7 @@ class Steered:
         self.inner = inner
         self.script: dict[int, int] = {}
         self.nan_at: set[int] = set()
-        self.keeps_last_logits, self.cache_layout = inner.keeps_last_logits, inner.cache_layout
+        self.keeps_last_logits, self.cache = inner.keeps_last_logits, inner.cache
 
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)
@@ -540,7 +540,7 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     from models.checkpoint import load
     from models.cli import main as models_main
     from plugins import ort_ops
-    from service.engine.text import kvcache
+    from service.engine.backends.cache_ops import LEFT, RIGHT, Past
     from service.engine.model_folders import GenaiTextBackend
 
     assert models_main(["init", "gpt-nano", "--multimax", multimax, "-o", str(tmp_path / "m.pt")]) == 0
@@ -548,14 +548,14 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     folder = write_folder(model, ckpt, tmp_path / "nano-genai", with_library=multimax != "none")
     decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     backend = GenaiTextBackend(folder, decoder, Settings(intra_op_threads=1))
-    layout = kvcache.RIGHT if multimax == "none" else kvcache.LEFT
-    assert backend.right_padded is (multimax == "none") and backend.cache_layout == layout
+    layout = RIGHT if multimax == "none" else LEFT
+    assert backend.right_padded is (multimax == "none") and backend.cache.layout == layout
     runs_before = ort_ops.run_counts()
     prompts = [[5, 9, 77, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 7]]
     newcomer = [60, 61, 62, 63, 64, 65]
     want = {i: generate(model, p, 10, temperature=0.0)[0] for i, p in enumerate([*prompts, newcomer])}
 
-    def prefill(batch: list[list[int]]) -> tuple[list[int], kvcache.Past, np.ndarray]:
+    def prefill(batch: list[list[int]]) -> tuple[list[int], Past, np.ndarray]:
         longest = max(map(len, batch))
         ids, mask = np.zeros((len(batch), longest), np.int64), np.zeros((len(batch), longest), np.int64)
         for i, p in enumerate(batch):
@@ -573,10 +573,10 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     for step in range(9):
         if step == 3:  # the longest prompt's row leaves; a newcomer joins
             keep = [0, 2]
-            past, mask = kvcache.select(past, mask, [rows.index(r) for r in keep], layout)
+            past, mask = backend.cache.select(past, mask, [rows.index(r) for r in keep])
             rows, last = keep, [last[rows.index(r)] for r in keep]
             first, new_past, new_mask = prefill([newcomer])
-            past, mask = kvcache.merge(past, mask, new_past, new_mask, layout)
+            past, mask = backend.cache.merge(past, mask, new_past, new_mask)
             rows, last = [*rows, 3], [*last, first[0]]
             got[3] = [first[0]]
         ids = np.array([[t] for t in last], np.int64)
@@ -599,7 +599,7 @@ def test_genai_backend_decodes_in_place_through_joins_and_leaves(tmp_path: Path,
     # the logits land in the backend's own buffer, bound with the cache's: a new one only with new cache buffers
     # (the first step, the leave, the join), not one read back each step
     assert len(logits_buffers) - 1 <= 3, len(logits_buffers)
-    if layout == kvcache.RIGHT:  # the shortest row's cache has zeros (never written) after its own positions
+    if layout == RIGHT:  # the shortest row's cache has zeros (never written) after its own positions
         k = past[0][0]
         assert not np.asarray(k[rows.index(2), :, int(mask[rows.index(2)].sum()):]).any()
     elif ort_ops.library().available:  # the fused MultiMaxAttention wrote its present into the past's buffer

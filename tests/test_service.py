@@ -37,7 +37,9 @@ from plugins import ort_ops
 from service.base.config import Settings, build_parser, load_settings
 from service.base.metrics import Metrics
 from service.edge.app import create_app
-from service.engine.text import kvcache
+from service.engine.backends.cache_numpy import NumpyCache, _row_room
+from service.engine.backends.cache_ops import LEFT, RIGHT, CacheOps
+from service.engine.backends.cache_torch import TorchCache
 from service.engine.batcher import DynamicBatcher
 from service.engine.engine_errors import EngineError
 from service.engine.registry import RegistryError, choose, load_registry
@@ -609,6 +611,11 @@ def test_request_whose_client_left_is_dropped_before_compute() -> None:
 # ---- KV cache surgery ----------------------------------------------------------------------------------
 
 
+def _cache(kind: str, layout: str = LEFT) -> CacheOps:
+    """The cache operations of the array type `kind`, as a backend declares them."""
+    return NumpyCache(layout) if kind == "numpy" else TorchCache(layout)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_kv_merge_pads_left_and_select_trims_padding(kind: str) -> None:
     def arr(x: np.ndarray) -> Any:
@@ -618,11 +625,11 @@ def test_kv_merge_pads_left_and_select_trims_padding(kind: str) -> None:
     b = np.ones((1, 1, 3, 2), np.float32)
     mask_a = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     mask_b = np.ones((1, 3), np.int64)
-    past, mask = kvcache.merge([(arr(a), arr(a))], mask_a, [(arr(b), arr(b))], mask_b)
+    past, mask = _cache(kind).merge([(arr(a), arr(a))], mask_a, [(arr(b), arr(b))], mask_b)
     k = np.asarray(past[0][0])
     assert k.shape == (3, 1, 5, 2) and mask.tolist()[2] == [0, 0, 1, 1, 1]
     assert np.array_equal(k[2, :, 2:], b[0]) and not k[2, :, :2].any()
-    past, mask = kvcache.select(past, mask, [1, 2])  # row 0 (the only one using columns 0, 1) leaves
+    past, mask = _cache(kind).select(past, mask, [1, 2])  # row 0 (the only one using columns 0, 1) leaves
     assert mask.shape == (2, 3) and np.asarray(past[0][1]).shape == (2, 1, 3, 2)
     assert np.array_equal(np.asarray(past[0][0])[0], a[1, :, 2:])
 
@@ -637,23 +644,22 @@ def test_kv_right_padded_layout_pads_and_trims_at_the_end(kind: str) -> None:
     a[1, :, 3:] = 0  # row 1 holds 3 positions, at the start
     b = np.ones((1, 1, 3, 2), np.float32)
     mask_a = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-    past, mask = kvcache.merge([(arr(a), arr(a))], mask_a, [(arr(b), arr(b))], np.ones((1, 3), np.int64),
-                               kvcache.RIGHT)
+    past, mask = _cache(kind, RIGHT).merge([(arr(a), arr(a))], mask_a, [(arr(b), arr(b))],
+                                          np.ones((1, 3), np.int64))
     k = np.asarray(past[0][0])
     assert k.shape == (3, 1, 5, 2) and mask.tolist()[2] == [0, 0, 1, 1, 1]
     assert np.array_equal(k[2, :, :3], b[0]) and not k[2, :, 3:].any()
-    past, mask = kvcache.select(past, mask, [1, 2], kvcache.RIGHT)  # the 5-long row leaves: 2 mask columns go
+    past, mask = _cache(kind, RIGHT).select(past, mask, [1, 2])  # the 5-long row leaves: 2 mask columns go
     assert mask.shape == (2, 3) and np.asarray(past[0][1]).shape == (2, 1, 5, 2)  # the buffer keeps them as room
     assert np.array_equal(np.asarray(past[0][0])[0, :, :3], a[1, :, :3])  # the row's own positions, from the start
     assert np.array_equal(np.asarray(past[0][0])[1, :, :3], b[0])
     # a buffer with room merges with a shorter one: the shorter is padded at its end
     longer = np.zeros((1, 1, 9, 2), np.float32)
-    merged, mask2 = kvcache.merge(past, mask, [(arr(longer), arr(longer))], np.ones((1, 4), np.int64),
-                                  kvcache.RIGHT)
+    merged, mask2 = _cache(kind, RIGHT).merge(past, mask, [(arr(longer), arr(longer))], np.ones((1, 4), np.int64))
     assert np.asarray(merged[0][0]).shape == (3, 1, 9, 2) and mask2.shape == (3, 4)
 
 
-@pytest.mark.parametrize("layout", [kvcache.LEFT, kvcache.RIGHT])
+@pytest.mark.parametrize("layout", [LEFT, RIGHT])
 def test_a_longer_newcomer_merges_into_one_new_numpy_buffer_as_the_torch_path_does(layout: str) -> None:
     """A newcomer with a longer history than the batch (every running row needs padding) is merged into one new
     buffer a layer: its values over the mask's columns are the torch path's (the same cache as tensors), the
@@ -661,20 +667,20 @@ def test_a_longer_newcomer_merges_into_one_new_numpy_buffer_as_the_torch_path_do
     rng = np.random.default_rng(3)
     k = rng.normal(size=(2, 1, 8, 2)).astype(np.float32)  # 2 rows, a buffer of 8 columns, 3 of them real
     mask = np.array([[0, 1, 1], [1, 1, 1]], np.int64)
-    if layout == kvcache.LEFT:
+    if layout == LEFT:
         k[0, :, 0] = 0
     else:
         k[0, :, 2:] = 0
     newcomer = rng.normal(size=(1, 1, 6, 2)).astype(np.float32)
     new_mask = np.ones((1, 6), np.int64)
-    merged, merged_mask = kvcache.merge([(k, k.copy())], mask, [(newcomer, newcomer.copy())], new_mask, layout)
-    want, want_mask = kvcache.merge([(torch.from_numpy(k[:, :, :3].copy()),) * 2], mask,
-                                    [(torch.from_numpy(newcomer),) * 2], new_mask, layout)
+    merged, merged_mask = NumpyCache(layout).merge([(k, k.copy())], mask, [(newcomer, newcomer.copy())], new_mask)
+    want, want_mask = TorchCache(layout).merge([(torch.from_numpy(k[:, :, :3].copy()),) * 2], mask,
+                                               [(torch.from_numpy(newcomer),) * 2], new_mask)
     assert np.array_equal(merged_mask, want_mask) and merged_mask.shape == (3, 6)
     got = merged[0][0]
     assert got.shape[:2] == (3, 1) and got.shape[2] >= 6
     assert np.array_equal(got[:, :, :6], want[0][0].numpy()[:, :, :6])
-    assert kvcache._row_room(got) is not None  # rows of room behind the view
+    assert _row_room(got) is not None  # rows of room behind the view
 
 
 def test_a_full_cache_grows_to_the_hint_within_its_bounds() -> None:
@@ -688,7 +694,7 @@ def test_a_full_cache_grows_to_the_hint_within_its_bounds() -> None:
     assert grown(40, 50, 1024) == 50  # no more than the rows may reach
 
 
-@pytest.mark.parametrize("layout", [kvcache.LEFT, kvcache.RIGHT])
+@pytest.mark.parametrize("layout", [LEFT, RIGHT])
 def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     """Leaving rows are filled by the last rows (row copies) and the cache becomes a view of the buffer's first
     rows; a newcomer that fits the batch's columns is written into the rows behind, not a copy of the cache."""
@@ -696,11 +702,11 @@ def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     k = rng.normal(size=(4, 1, 8, 2)).astype(np.float32)  # 4 rows, buffer of 8 columns (room after the mask's 5)
     rows = [k[i].copy() for i in range(4)]
     mask = np.array([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    past, mask2, order = kvcache.remove_rows([(k, k + 1)], mask, [1, 2], layout)  # rows 0 and 3 leave
+    past, mask2, order = NumpyCache(layout).remove_rows([(k, k + 1)], mask, [1, 2])  # rows 0 and 3 leave
     assert order == [2, 1]  # row 2 moved into row 0's place
     kept = past[0][0]
-    assert kept.shape == (2, 1, 8 if layout == kvcache.RIGHT else 7, 2)
-    if layout == kvcache.RIGHT:  # no column trimmed from the buffer: a view of the same memory
+    assert kept.shape == (2, 1, 8 if layout == RIGHT else 7, 2)
+    if layout == RIGHT:  # no column trimmed from the buffer: a view of the same memory
         assert kept.ctypes.data == k.ctypes.data and np.array_equal(kept[0], rows[2])
         assert np.array_equal(past[0][1][1], rows[1] + 1)
     else:  # the first column is padding for rows 1 and 2 now: trimmed
@@ -708,10 +714,10 @@ def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     assert mask2.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
     # a newcomer of 2 positions joins: into the buffer's spare rows when the cache is a view with some
     new = np.full((1, 1, 2, 2), 7.0, np.float32)
-    merged, mask3 = kvcache.merge(past, mask2, [(new, new)], np.ones((1, 2), np.int64), layout)
+    merged, mask3 = NumpyCache(layout).merge(past, mask2, [(new, new)], np.ones((1, 2), np.int64))
     km = merged[0][0]
     assert km.shape[0] == 3 and mask3.tolist()[2] == [0, 0, 1, 1]
-    if layout == kvcache.RIGHT:
+    if layout == RIGHT:
         assert km.ctypes.data == k.ctypes.data  # written in place
         assert np.array_equal(km[2, :, :2], new[0]) and not km[2, :, 2:4].any()
     else:
@@ -719,12 +725,12 @@ def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     assert np.array_equal(km[0], kept[0]) and np.array_equal(km[1], kept[1])
     # a newcomer longer than the batch's history: every row is padded (the general path), same result as before
     longer = np.full((1, 1, 6, 2), 3.0, np.float32)
-    merged2, mask4 = kvcache.merge(merged, mask3, [(longer, longer)], np.ones((1, 6), np.int64), layout)
+    merged2, mask4 = NumpyCache(layout).merge(merged, mask3, [(longer, longer)], np.ones((1, 6), np.int64))
     assert mask4.shape == (4, 6) and mask4[:3, :2].sum() == 0
     assert np.array_equal(merged2[0][0][3, :, :6], longer[0])
     # a torch cache is selected as before (copied, in keep's order)
     t = torch.from_numpy(k.copy())
-    tpast, tmask, torder = kvcache.remove_rows([(t, t)], mask, [1, 2], layout)
+    tpast, tmask, torder = TorchCache(layout).remove_rows([(t, t)], mask, [1, 2])
     assert torder == [1, 2] and tmask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
     assert torch.equal(tpast[0][0][0, :, -4:], torch.from_numpy(rows[1][:, -4:]))
 

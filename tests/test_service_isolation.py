@@ -36,7 +36,7 @@ class FaultyText:
         self.inner = OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx")
         self.raise_at, self.nan_at = raise_at, nan_at
         self.calls: list[int] = []  # batch size of every call
-        self.keeps_last_logits, self.cache_layout = self.inner.keeps_last_logits, self.inner.cache_layout
+        self.keeps_last_logits, self.cache = self.inner.keeps_last_logits, self.inner.cache
 
     def empty_past(self, batch: int) -> Any:
         return self.inner.empty_past(batch)

@@ -45,7 +45,7 @@ def sources() -> dict[str, str]:
 
 def imports(source: str, module: str) -> set[str]:
     """What `source` (of `module`) imports: `from a import b` counts as a and a.b (b may be a module:
-    `from service.engine.text import kvcache`)."""
+    `from service.engine.text import batch`)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -118,7 +118,7 @@ def test_an_upward_import_is_caught() -> None:
     modules = sources()
     planted = dict(modules)
     planted["service.engine.batcher"] += "\nfrom service.protocols.openai_api import CompletionRequest\n"
-    planted["service.engine.text.kvcache"] += "\nimport fastapi\n"
+    planted["service.engine.text.batch"] += "\nimport fastapi\n"
     planted["service.base.errors"] += "\nfrom service.engine import runtime\n"
     planted["service.lonely"] = "x = 1\n"  # directly under service/: no layer
     planted["service.edge.ray.options"] += "\nfrom ...engine.scheduler import TextScheduler\n"  # relative, allowed
@@ -130,7 +130,7 @@ def test_an_upward_import_is_caught() -> None:
         "service.engine.backends (engine) imports service.protocols.classify (protocols)",
         "service.engine.batcher (engine) imports service.protocols.openai_api (protocols)",
         "service.engine.batcher (engine) imports service.protocols.openai_api.CompletionRequest (protocols)",
-        "service.engine.text.kvcache (engine) imports the web framework fastapi",
+        "service.engine.text.batch (engine) imports the web framework fastapi",
         "service.lonely has no layer: move it into service/{base,engine,protocols,edge}/",
     ]
 

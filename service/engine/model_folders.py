@@ -25,8 +25,9 @@ from models.loading import CheckpointError
 from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
 from service.base.config import Settings
-from service.engine.text import kvcache
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend, grown_length
+from service.engine.backends.cache_numpy import NumpyCache
+from service.engine.backends.cache_ops import LEFT, RIGHT, map_past
 from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
@@ -111,7 +112,7 @@ class GenaiTextBackend(TextBackend):
     genai_config.json, whatever the architecture. The cache lives in buffers with room at their end, and decode
     steps write into them in place (IOBinding, past and present one buffer, as onnxruntime-genai runs the
     folder); a GroupQueryAttention graph keeps its rows right-padded, a MultiMaxAttention graph left-padded
-    (service.engine.text.kvcache's layouts). A prefill is a plain call (present = its new keys)."""
+    (service.engine.backends.cache_ops' layouts). A prefill is a plain call (present = its new keys)."""
 
     kind = "onnxruntime"
     platform = "onnxruntime_onnx"
@@ -134,9 +135,9 @@ class GenaiTextBackend(TextBackend):
         proto = _read_graph(model_file)
         self.fused_multimax = fused_ops_state(proto, options) if providers == ["CPUExecutionProvider"] else None
         # onnxruntime's GroupQueryAttention reads each row's cache from the start of its buffer (right padding):
-        # such graphs keep a right-padded cache (cache_layout), only a prefill's new tokens are realigned
+        # such graphs keep a right-padded cache (its layout), only a prefill's new tokens are realigned
         self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
-        self.cache_layout = kvcache.RIGHT if self.right_padded else kvcache.LEFT
+        self.cache = NumpyCache(RIGHT if self.right_padded else LEFT)
         del proto
         try:
             self.session = ort.InferenceSession(str(model_file), sess_options=options, providers=providers)
@@ -179,7 +180,7 @@ class GenaiTextBackend(TextBackend):
             return self._step_in_place(input_ids, attention_mask, position_ids, past)
         if not self.right_padded:
             return self._run(input_ids, attention_mask, position_ids, past)
-        # The cache stays right-padded between calls (cache_layout: the scheduler pads it so); only the new tokens
+        # The cache stays right-padded between calls (its cache's layout: the batch pads it so); only the new tokens
         # of a prefill's shorter prompts (zeros, then the row's tokens) are moved to the row's start, and their
         # logits back. What the graph reads of the mask is each row's count of real tokens.
         pads = attention_mask.shape[1] - attention_mask.sum(axis=1)
@@ -200,14 +201,14 @@ class GenaiTextBackend(TextBackend):
         total = attention_mask.shape[1]
         if past[0][0].shape[2] < total:
             size = grown_length(total, self.reserved, self.context)
-            past = kvcache.map_past(past, lambda t: kvcache.pad(t, size - t.shape[2], 2, at_end=True))
+            past = map_past(past, lambda t: self.cache.pad(t, size - t.shape[2], 2, at_end=True))
         # The buffers stay bound from step to step (rebinding every layer's past and present cost about 5 us a
         # name, a tenth of a small model's step); only a new buffer (a join, a leave, growth) binds anew. The
         # past this call returned last time is those buffers as they are (the scheduler's cache functions make
         # a new list for any change): not even their addresses need reading.
         binding = self._binding if past is self._returned else None
         if binding is None:
-            past = kvcache.map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
+            past = map_past(past, np.ascontiguousarray)  # the buffers' memory is bound as it is
             where = tuple((k.ctypes.data, v.ctypes.data, k.shape, k.dtype.str) for k, v in past)
             binding = self._binding if where == self._bound else None
         if binding is None:

@@ -2,7 +2,8 @@
 
 Arrays cross this boundary as numpy (vision, token ids, masks). A text backend's KV cache stays in
 its own array type (numpy for ONNX Runtime, torch tensors for PyTorch) so a GPU cache never makes a
-round trip through host memory between decode steps; `service.engine.text.kvcache` handles both types.
+round trip through host memory between decode steps; each text backend declares that type's row and column
+operations (`TextBackend.cache`: service.engine.backends.cache_numpy, cache_torch).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from models.cache_growth import room
+from service.engine.backends.cache_ops import CacheOps, Past
 
-Past = list[tuple[Any, Any]]  # per layer (key, value), each (batch, n_head, length, head_dim)
+__all__ = ["Backend", "BackendUnavailable", "CacheOps", "CachedDecoder", "Past", "TensorSpec", "TextBackend",
+           "VisionBackend", "grown_length"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -73,8 +76,8 @@ class TextBackend(Backend):
     # True where `run_text(..., last_only=True)` computes only the last position's logits (B, 1, V); callers that
     # need one row take logits[:, -1] either way.
     keeps_last_logits: bool = False
-    # How rows of the cache are padded (service.engine.text.kvcache: "left-padded" or "right-padded").
-    cache_layout: str = "left-padded"
+    # The cache's array type's operations, laid out as the graph reads it ("left-padded" or "right-padded")
+    cache: CacheOps
     reserved: int = 0  # the decode loop's last `reserve` hint (0: none)
 
     @abstractmethod
@@ -108,11 +111,11 @@ class TextBackend(Backend):
         return self.to_numpy(logits)
 
 
-class TextModel(Protocol):
+class CachedDecoder(Protocol):
     """What the decode loop calls: a `TextBackend`, or anything with its methods (test doubles)."""
 
     keeps_last_logits: bool
-    cache_layout: str
+    cache: CacheOps
 
     def run_text(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past,

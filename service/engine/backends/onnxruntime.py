@@ -24,6 +24,7 @@ from models.spec import TextSpec
 from plugins import ort_ops
 from plugins.onnx_functions import attribute_problems
 from service.engine.backends.base import Backend, BackendUnavailable, Past, TextBackend, VisionBackend
+from service.engine.backends.cache_numpy import NumpyCache
 from service.engine.backends.probe import onnxruntime_providers
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class OrtVisionBackend(_OrtBackend, VisionBackend):
 
 
 class OrtTextBackend(_OrtBackend, TextBackend):
+    cache = NumpyCache()  # the exported graph reads a left-padded cache from numpy buffers
+
     def __init__(self, path: Path, session: ort.InferenceSession, metadata: OnnxMetadata,
                  fused_multimax: dict[str, Any] | None) -> None:
         super().__init__(path, session, metadata, fused_multimax)

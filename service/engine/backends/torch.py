@@ -30,6 +30,7 @@ from service.engine.backends.base import (
     VisionBackend,
     grown_length,
 )
+from service.engine.backends.cache_torch import TorchCache
 from service.engine.backends.probe import torch_cuda_available
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ class TorchVisionBackend(_TorchBackend, VisionBackend):
 
 
 class TorchTextBackend(_TorchBackend, TextBackend):
+    cache = TorchCache()  # tensors on the model's device, left-padded
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keeps_last_logits = keeps_last_logits(self.model)
