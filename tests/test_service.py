@@ -45,7 +45,7 @@ from service.engine.engine_errors import EngineError
 from service.engine.registry import RegistryError, choose, load_registry
 from service.engine.text.sampler import SamplingParams
 from service.engine.text.scheduler import GenSequence, TextScheduler
-from service.engine.text_detok import TextStream
+from service.engine.text import IncrementalDetokenizer
 from service.engine.vision import Preprocess, decode_image, preprocess
 from service.protocols.engine_status import http_error
 
@@ -735,18 +735,18 @@ def test_numpy_cache_rows_leave_and_join_inside_one_buffer(layout: str) -> None:
     assert torch.equal(tpast[0][0][0, :, -4:], torch.from_numpy(rows[1][:, -4:]))
 
 
-def test_text_stream_holds_back_possible_stop_prefixes_and_partial_utf8() -> None:
-    stream = TextStream(TOK, [b"END"])
+def test_the_byte_tokenizers_stream_holds_back_possible_stop_prefixes_and_partial_utf8() -> None:
+    stream = IncrementalDetokenizer(TOK.decode, TOK.encode("hi"), ["END"], TOK.joins_next)
     ids = TOK.encode("ab")
-    assert stream.delta(ids, False) == "ab"
+    assert stream.step(ids) == "ab"
     ids += TOK.encode("EN")
-    assert stream.delta(ids, False) == ""  # might become END
+    assert stream.step(ids) == ""  # might become END
     ids += TOK.encode("x")
-    assert stream.delta(ids, False) == "ENx"
+    assert stream.step(ids) == "ENx"
     ids += list("é".encode())[:1]
-    assert stream.delta(ids, False) == ""  # half a character
+    assert stream.step(ids) == ""  # half a character
     ids += list("é".encode())[1:]
-    assert stream.delta(ids, True) == "é"
+    assert stream.step(ids, final=True) == "é"
 
 
 # ---- generation scheduler -------------------------------------------------------------------------------

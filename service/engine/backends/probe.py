@@ -54,11 +54,10 @@ def onnxruntime_providers() -> tuple[tuple[str, ...], str]:
         return ("CPUExecutionProvider",), "this onnxruntime build has no GPU providers"
     if cuda_device_count() == 0:
         return ("CPUExecutionProvider",), "no CUDA device"
-    if hasattr(ort, "preload_dlls"):
-        try:
-            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, where installed
-        except Exception as exc:  # best effort: system libraries may still be found
-            log.debug("onnxruntime.preload_dlls: %s", exc)
+    try:
+        ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, where installed (onnxruntime >= 1.21)
+    except Exception as exc:  # best effort: system libraries may still be found
+        log.debug("onnxruntime.preload_dlls: %s", exc)
     capi = Path(ort.__file__).parent / "capi"
     chosen: list[str] = []
     reasons: list[str] = []
