@@ -348,6 +348,9 @@ class Steered:
     def reserve(self, positions: int) -> None:
         self.inner.reserve(positions)
 
+    def host_logits(self, logits: Any) -> Any:
+        return self.inner.host_logits(logits)
+
     def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
                  last_only: bool = False) -> Any:
         logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)

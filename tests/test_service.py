@@ -43,9 +43,9 @@ from service.engine.backends.cache_torch import TorchCache
 from service.engine.batcher import DynamicBatcher
 from service.engine.engine_errors import EngineError
 from service.engine.registry import RegistryError, choose, load_registry
+from service.engine.text import IncrementalDetokenizer
 from service.engine.text.sampler import SamplingParams
 from service.engine.text.scheduler import GenSequence, TextScheduler
-from service.engine.text import IncrementalDetokenizer
 from service.engine.vision import Preprocess, decode_image, preprocess
 from service.protocols.engine_status import http_error
 

@@ -44,6 +44,9 @@ class FaultyText:
     def reserve(self, positions: int) -> None:
         self.inner.reserve(positions)
 
+    def host_logits(self, logits: Any) -> Any:
+        return self.inner.host_logits(logits)
+
     def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
                  last_only: bool = False) -> Any:
         self.calls.append(len(ids))

@@ -100,6 +100,10 @@ class TextBackend(Backend):
         doubling (onnxruntime-genai sizes its buffers to max_length up front); the others ignore it."""
         self.reserved = positions
 
+    def host_logits(self, logits: Any) -> Any:
+        """A step's logits where the sampler reads them: a numpy array as it is (no copy), a tensor on the CPU."""
+        return logits
+
     def to_numpy(self, logits: Any) -> np.ndarray:
         """Logits in the backend's array type -> float32 numpy (what the protocols see)."""
         return np.asarray(logits, dtype=np.float32)
@@ -125,3 +129,5 @@ class CachedDecoder(Protocol):
     def empty_past(self, batch: int) -> Past: ...
 
     def reserve(self, positions: int) -> None: ...
+
+    def host_logits(self, logits: Any) -> Any: ...

@@ -168,6 +168,9 @@ class TorchTextBackend(_TorchBackend, TextBackend):
         logits, presents = self.forward(dev(input_ids), dev(position_ids), dev(attention_mask), list(past), **keep)
         return logits.float(), list(presents)
 
+    def host_logits(self, logits: Any) -> torch.Tensor:
+        return logits.float().cpu()
+
     def to_numpy(self, logits: Any) -> np.ndarray:
         return logits.float().cpu().numpy()
 

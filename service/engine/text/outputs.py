@@ -18,16 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def as_torch(logits: Any) -> torch.Tensor:
-    """A backend's logits (numpy, or a tensor on any device) as a float tensor on the CPU."""
-    if isinstance(logits, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(logits))
-    return logits.float().cpu()
-
-
-def for_sampler(logits: Any) -> torch.Tensor | np.ndarray:
-    """A step's last logits (B, V) as the sampler takes them: an onnxruntime step's array as it is (the sampler's
-    common path is numpy: no tensor made and read back; it makes one where it needs it), a tensor on the CPU."""
-    return logits if isinstance(logits, np.ndarray) else as_torch(logits)
+    """Host logits (`CachedDecoder.host_logits`: numpy or a CPU tensor) as a tensor, without a copy."""
+    return torch.as_tensor(logits)
 
 
 class OutputProcessor:

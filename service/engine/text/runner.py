@@ -20,7 +20,7 @@ import torch
 from service.base.metrics import Metrics
 from service.engine.backends.base import CachedDecoder, Past
 from service.engine.text.batch import Batch
-from service.engine.text.outputs import OutputProcessor, as_torch, for_sampler
+from service.engine.text.outputs import OutputProcessor
 from service.engine.text.policy import PrefillPart, StepPlan, StepPolicy
 from service.engine.text.sampler import TokenLogprobs, new_generator
 from service.engine.text.sequence import Row, SequenceDelta
@@ -86,6 +86,7 @@ class StepRunner:
             logits, presents = self.backend.run_text(ids, mask, positions, past)
         deltas: list[SequenceDelta] = []
         if all(p.completes for p in parts):
+            logits = self.backend.host_logits(logits)
             prompt_lps = [self._prompt_logprobs(p, logits[i]) for i, p in enumerate(parts)]
             deltas = self._join(parts, logits[:, -1], presents, mask, prompt_lps)
         for part in parts:
@@ -125,8 +126,8 @@ class StepRunner:
         source = [i for i, p in enumerate(parts) for _ in p.work.seqs]
         rows = [Row(s, new_generator(s.params.seed), prompt_logprobs=prompt_lps[i])
                 for i, p in enumerate(parts) for s in p.work.seqs]
-        last = as_torch(last_logits)
-        deltas = self.outputs.sample(rows, last[source] if len(source) > len(parts) else last)
+        last = last_logits[source] if len(source) > len(parts) else last_logits
+        deltas = self.outputs.sample(rows, last)
         self.batch.join(rows, presents, mask, source)
         return deltas
 
@@ -146,7 +147,7 @@ class StepRunner:
         ids, mask, positions = self.batch.decode_inputs()
         logits, past = self.backend.run_text(ids, mask, positions, self.batch.past)
         self.batch.advanced(past, mask)
-        deltas = self.outputs.sample(self.batch.rows, for_sampler(logits[:, -1]))
+        deltas = self.outputs.sample(self.batch.rows, self.backend.host_logits(logits[:, -1]))
         self.steps["decode"] += 1
         self._decode_time.observe(time.perf_counter() - start)
         self._decode_batch.observe(len(self.batch))
@@ -166,7 +167,7 @@ class StepRunner:
             except Exception as exc:
                 deltas.append(self.outputs.failed(row, exc))
                 continue
-            deltas.extend(self.outputs.sample([row], as_torch(logits[:, -1])))
+            deltas.extend(self.outputs.sample([row], self.backend.host_logits(logits[:, -1])))
             kept.append((row, presents, mask))
         self.batch.rebuild(kept)
         self.steps["decode"] += 1
