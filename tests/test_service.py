@@ -886,6 +886,7 @@ def test_a_long_prompt_arriving_while_rows_decode_is_prefilled_in_chunks_between
     the first; every sequence's greedy text is still the model's own. On an idle model a long prompt is one call."""
     sched = _scheduler(backend_kind)
     sched.prefill_chunk = 8
+    sched.prefix_cache.budget = 0  # whole prompts' chunks are counted here (the prefix cache's: test_prefix_cache)
     widths: list[int] = []  # tokens fed by each model call, in order
     run_text = sched.backend.run_text
 

@@ -54,6 +54,15 @@ class Metrics:
             m, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter(
             "multimax_prompt_tokens", "Prompt tokens prefilled", m, registry=r)
+        self.prefix_cache_queries = Counter(
+            "multimax_prefix_cache_queries", "Prompts looked up in the prefix cache", m, registry=r)
+        self.prefix_cache_hits = Counter(
+            "multimax_prefix_cache_hits", "Prompts whose start the prefix cache held", m, registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "multimax_prefix_cache_hit_tokens", "Prompt tokens not prefilled: their cache came from the prefix cache",
+            m, registry=r)
+        self.prefix_cache_bytes = Gauge(
+            "multimax_prefix_cache_bytes", "Bytes of KV cache held by the prefix cache", m, registry=r)
         self.generation_tokens = Counter(
             "multimax_generation_tokens", "Tokens generated", m, registry=r)
         self.running = Gauge(

@@ -55,6 +55,12 @@ class NumpyCache(CacheOps):
         # a view keeps the whole buffer alive and is not contiguous; ORT wants contiguous inputs anyway
         return np.ascontiguousarray(x[tuple(index)])
 
+    def columns(self, x: np.ndarray, row: int, start: int, stop: int) -> np.ndarray:
+        return x[row:row + 1, :, start:stop].copy()
+
+    def nbytes(self, x: np.ndarray) -> int:
+        return int(x.nbytes)
+
     def remove_rows(self, past: Past, mask: np.ndarray, keep: list[int]) -> tuple[Past, np.ndarray, list[int]]:
         """The buffer is kept: the last kept rows move into the holes (row copies) and the cache becomes a view of
         its first rows, whose rows behind stay room for `merge` (a read-only cache is `select`ed instead)."""

@@ -71,7 +71,27 @@ class CacheOps(ABC):
     def drop_left(self, x: Any, n: int, axis: int) -> Any:
         """x without its first `n` columns along `axis` (contiguous)."""
 
+    @abstractmethod
+    def columns(self, x: Any, row: int, start: int, stop: int) -> Any:
+        """A copy of row `row`'s time columns [start, stop): (1, heads, stop - start, head_dim), a buffer of its own
+        (nothing a backend writes in place into a batch's cache reaches it, nor the reverse)."""
+
+    @abstractmethod
+    def nbytes(self, x: Any) -> int:
+        """Bytes x holds."""
+
     # ---- the algorithms --------------------------------------------------------------------------------------
+
+    def row_positions(self, past: Past, mask: np.ndarray, row: int, n: int) -> Past:
+        """A copy of the first `n` real positions of row `row` (a prompt's cache, for the prefix cache): where the
+        layout keeps them (right-aligned with the mask, or from the buffer's start)."""
+        real = int(mask[row].sum())
+        start = 0 if self.layout == RIGHT else mask.shape[1] - real
+        return map_past(past, lambda t: self.columns(t, row, start, start + n))
+
+    def prefix(self, past: Past, n: int) -> Past:
+        """A copy of the first `n` positions of a one-row cache of its own (a cached prompt's)."""
+        return map_past(past, lambda t: self.columns(t, 0, 0, n))
 
     def select(self, past: Past, mask: np.ndarray, rows: list[int]) -> tuple[Past, np.ndarray]:
         """Keep only `rows`, then trim the columns that became padding for every remaining row."""

@@ -23,3 +23,9 @@ class TorchCache(CacheOps):
 
     def drop_left(self, x: torch.Tensor, n: int, axis: int) -> torch.Tensor:
         return x if n == 0 else x.narrow(axis, n, x.shape[axis] - n).contiguous()
+
+    def columns(self, x: torch.Tensor, row: int, start: int, stop: int) -> torch.Tensor:
+        return x[row:row + 1, :, start:stop].clone(memory_format=torch.contiguous_format)
+
+    def nbytes(self, x: torch.Tensor) -> int:
+        return x.numel() * x.element_size()

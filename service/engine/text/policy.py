@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from service.engine.backends.base import Past
+from service.engine.text.prefix_cache import PrefixCache
 from service.engine.text.sequence import GenSequence, groups
 
 # An idle model's first prefill waits for the rest of a burst of arrivals (TextScheduler._gather_burst): while
@@ -37,6 +38,7 @@ class PromptWork:
     done: int = 0
     past: Past | None = None
     chunked: bool = False  # prefilled a chunk a step (queued while rows decode)
+    cached: int = 0  # of its tokens, how many the prefix cache held (`past` is a copy of their cache)
 
     @property
     def prompt(self) -> list[int]:
@@ -77,10 +79,14 @@ class StepPlan:
 
 
 class StepPolicy:
-    def __init__(self, max_running: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
+    def __init__(self, max_running: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens  # tokens a step of a long prompt arriving while rows decode (0: off)
-        self.chunked: deque[PromptWork] = deque()  # long prompts being prefilled a chunk a step, first come first
+        # prompts prefilled over a cache of their own, a chunk a step, first come first: long prompts arriving
+        # while rows decode, and prompts whose start the prefix cache holds
+        self.chunked: deque[PromptWork] = deque()
+        self.prefix_cache = prefix_cache
 
     def admit(self, waiting: deque[GenSequence], active: int) -> list[GenSequence]:
         """Waiting sequences for the free slots (taken from `waiting`); the choices of one prompt (a group) come in
@@ -115,7 +121,8 @@ class StepPolicy:
         if not self.chunked:
             return StepPlan()
         work = self.chunked[0]
-        end = min(work.done + self.chunk_tokens, len(work.prompt)) if decoding else len(work.prompt)
+        whole = not (decoding and self.chunk_tokens)
+        end = len(work.prompt) if whole else min(work.done + self.chunk_tokens, len(work.prompt))
         return StepPlan(prefill=[PrefillPart(work, end)])
 
     def prefilled(self, part: PrefillPart) -> None:
@@ -134,16 +141,22 @@ class StepPolicy:
         self.chunked = deque(w for w in self.chunked if not seqs.intersection(w.seqs))
 
     def _queue_long(self, admitted: list[list[GenSequence]], decoding: bool) -> list[PromptWork]:
-        """Queue the groups whose prompt is longer than chunk_tokens to be prefilled a chunk a step, when rows are
-        decoding (whose every step a whole long prefill would hold up; an idle model prefills it in one call) and
-        no prompt logprobs are asked (they need every position's logits); returns the others, to prefill now."""
-        works = [PromptWork(group) for group in admitted]
-        if not self.chunk_tokens or not decoding:
-            return works
+        """Queue to be prefilled over a cache of their own, one a step: the groups whose prompt starts with what
+        the prefix cache holds (from there), and those whose prompt is longer than chunk_tokens when rows are
+        decoding (whose every step a whole long prefill would hold up; an idle model prefills it in one call), a
+        chunk a step; not those that ask for prompt logprobs (they need every position's logits). Returns the
+        others, to prefill now in one call."""
         now = []
-        for work in works:
-            if len(work.prompt) > self.chunk_tokens and not work.wants_prompt_logprobs:
-                work.chunked = True
+        for work in (PromptWork(group) for group in admitted):
+            if work.wants_prompt_logprobs:
+                now.append(work)
+                continue
+            if self.prefix_cache is not None:
+                work.cached, work.past = self.prefix_cache.lookup(work.prompt)
+                work.done = work.cached
+            long = decoding and self.chunk_tokens and len(work.prompt) - work.done > self.chunk_tokens
+            if long or work.cached:
+                work.chunked = bool(long)
                 self.chunked.append(work)
             else:
                 now.append(work)

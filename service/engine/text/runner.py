@@ -86,6 +86,7 @@ class StepRunner:
             logits, presents = self.backend.run_text(ids, mask, positions, past)
         deltas: list[SequenceDelta] = []
         if all(p.completes for p in parts):
+            self._remember(parts, presents, mask)
             logits = self.backend.host_logits(logits)
             prompt_lps = [self._prompt_logprobs(p, logits[i]) for i, p in enumerate(parts)]
             deltas = self._join(parts, logits[:, -1], presents, mask, prompt_lps)
@@ -95,6 +96,14 @@ class StepRunner:
             self.policy.prefilled(part)
         self._count_prefill(start, sum(p.completes for p in parts), tokens, parts[0].work.chunked)
         return deltas
+
+    def _remember(self, parts: list[PrefillPart], presents: Past, mask: np.ndarray) -> None:
+        """Prefilled prompts' caches into the prefix cache (before the batch takes the buffers over)."""
+        cache = self.policy.prefix_cache
+        if cache is None or not cache.budget:
+            return
+        for i, part in enumerate(parts):
+            cache.store(part.work.prompt, presents, mask, i)
 
     @staticmethod
     def _prefill_inputs(parts: list[PrefillPart]) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:

@@ -33,11 +33,12 @@ from service.engine.engine_errors import ModelFailed, QueueFull, ShuttingDown
 from service.engine.text.batch import Batch
 from service.engine.text.outputs import OutputProcessor
 from service.engine.text.policy import BURST_GAP_S, BURST_MAX_S, PREFILL_CHUNK_TOKENS, StepPolicy
+from service.engine.text.prefix_cache import PrefixCache
 from service.engine.text.runner import StepRunner
 from service.engine.text.sequence import GenSequence, SequenceDelta
 
-__all__ = ["HANDOFF_INTERVAL_S", "HANDOFF_MAX_STEPS", "PREFILL_CHUNK_TOKENS", "STEPS_SLICE_S", "GenSequence",
-           "TextScheduler"]
+__all__ = ["HANDOFF_INTERVAL_S", "HANDOFF_MAX_STEPS", "PREFILL_CHUNK_TOKENS", "PREFIX_CACHE_BYTES", "STEPS_SLICE_S",
+           "GenSequence", "TextScheduler"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ STEPS_SLICE_S = 0.25  # longest run of decode steps before the worker hands back
 # paper-size LM: 4-8 ms a step) still wakes the loop every step
 HANDOFF_INTERVAL_S = 0.001  # the default (--stream-interval-ms)
 HANDOFF_MAX_STEPS = 8  # ... or this many steps are queued: well under what a stream coalesces (MAX_BACKLOG)
+PREFIX_CACHE_BYTES = 256 << 20  # KV cache kept for prompts' shared starts (the default of --prefix-cache-mb)
 
 
 class TextScheduler:
@@ -63,6 +65,7 @@ class TextScheduler:
         output_function: str | None = None,
         handoff_interval_s: float = HANDOFF_INTERVAL_S,
         prefill_chunk: int = PREFILL_CHUNK_TOKENS,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     ) -> None:
         self.model = model
         self.handoff_interval_s = handoff_interval_s
@@ -78,7 +81,8 @@ class TextScheduler:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         # the worker's side: what a step decides, the rows it runs on, and what runs it
-        self.policy = StepPolicy(max_running, prefill_chunk)
+        self.prefix_cache = PrefixCache(backend.cache, prefix_cache_bytes, metrics, model)
+        self.policy = StepPolicy(max_running, prefill_chunk, self.prefix_cache)
         self.batch = Batch(backend, context_length)
         self.steps = {"prefill": 0, "decode": 0, "prefill_prompts": 0, "burst_waits": 0, "prefill_chunks": 0}
         self.runner = StepRunner(model, backend, self.batch,
