@@ -72,7 +72,7 @@ class PrefixCache:
             return 0, None
         self.stats.lookups += 1
         hashes = block_hashes(prompt, (len(prompt) - 1) // BLOCK)
-        found = 0, None
+        found: tuple[int, Past | None] = 0, None
         for blocks in range(len(hashes), 0, -1):
             entry = self._index.get(hashes[blocks - 1])
             n = blocks * BLOCK
