@@ -1,6 +1,6 @@
 """`python -m export.demos`: export the shipped demo checkpoints next to themselves, validated.
 
-The server serves these ONNX files when started without a model directory; `tests/test_export.py`
+The server serves these ONNX files when started without a model directory; `tests/export/test_export.py`
 checks they still match their checkpoints.
 """
 

@@ -4,7 +4,7 @@
 node. A rule whose pattern has several output nodes first indexes the whole graph by op type, at every node it is
 tried on, so the pass is quadratic in the graph size: most of the optimiser's time on DeiT-small. A pattern can
 only match a node whose op type equals that of the pattern's (first) output node, as the matcher checks that
-first; skipping other nodes before the matcher runs changes nothing but the time (tests/test_export.py checks
+first; skipping other nodes before the matcher runs changes nothing but the time (tests/export/test_export.py checks
 the optimised graphs are byte-identical). Rules whose op type is not a fixed string, or that use another
 matcher, are tried on every node as before.
 """

@@ -25,15 +25,17 @@ from typing import Any, cast
 
 from torch import nn
 
-from export.genai_graph import attention_kind, export_genai_text, text_spec
+from export.genai_graph import attention_kind, export_genai_text
 from export.hf_tokenizer import TokenizerFiles, tokenizer_files
-from export.onnx_export import DEFAULT_OPSET, ExportError
+from export.onnx_export import DEFAULT_OPSET, ExportError, text_spec_of
 from export.precision import Precision
 from models.atomic import staging_dir
+from models.attention_hook import AttentionLayer
 from models.checkpoint import Checkpoint
 from models.multimax import multimax_owners
 from models.onnx_contract import PAST_PREFIX, PRESENT_PREFIX
 from models.registry import TextModel
+from models.spec import TextSpec
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "genai_config.json"
@@ -59,11 +61,12 @@ def check_folder_target(out: Path) -> None:
                           "(not an earlier export; choose an empty or new folder)")
 
 
-def genai_config(model: TextModel, tok: TokenizerFiles, library: str | None) -> dict[str, Any]:
+def genai_config(spec: TextSpec, layers: list[AttentionLayer], tok: TokenizerFiles,
+                 library: str | None) -> dict[str, Any]:
+    """genai_config.json of a model with this description and these attention layers (`attention_layers()`)."""
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
     if library:
         session["custom_ops_library"] = library
-    spec, layers = text_spec(model), model.attention_layers()
     first = layers[0]
     return {
         "model": {
@@ -126,29 +129,34 @@ def _write_json(path: Path, data: Any) -> None:
 
 def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET, verbose: bool = False,
                  with_library: bool = True, tokenizer_source: Path | None = None,
-                 precision: Precision = "fp32") -> Path:
+                 precision: Precision = "fp32", spec: TextSpec | None = None,
+                 layers: list[AttentionLayer] | None = None) -> Path:
     """Export `model` into the folder `out` (see the module docstring); returns `out`.
 
     `tokenizer_source`: the Hugging Face folder whose tokenizer files are copied (else they are made from
-    `ckpt.tokenizer`). precision "int4": the fp32 graph with its weight MatMuls as MatMulNBits.
+    `ckpt.tokenizer`). precision "int4": the fp32 graph with its weight MatMuls as MatMulNBits. `spec` (the
+    checkpoint's description) and `layers` (the model's `attention_layers()`): what export.pipeline computed once
+    for this export, else computed here; the check, the graph and genai_config.json all take them.
     """
     check_folder_target(out)
-    spec = text_spec(model)
+    spec = spec or text_spec_of(ckpt)
+    layers = layers if layers is not None else model.attention_layers()
     tok = tokenizer_files(ckpt.tokenizer, tokenizer_source, spec.context_length, spec.vocab_size)
-    attention_kind(model)  # refuses what has no shared-buffer node, before anything is written
+    attention_kind(spec, layers)  # refuses what has no shared-buffer node, before anything is written
     library = _library() if with_library and multimax_owners(cast(nn.Module, model)) else None
     with staging_dir(out) as staging:
         folder = staging / out.name
         folder.mkdir()
         traced: Precision = "fp16" if precision == "fp16" else "fp32"
-        export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose, precision=traced)
+        export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose, precision=traced, spec=spec,
+                          layers=layers)
         if precision == "int4":
             from export.genai_quantize import quantize_int4
 
             quantize_int4(folder / MODEL_FILE)
         if library is not None:
             shutil.copy2(library, folder / LIBRARY_FILE)
-        _write_json(folder / CONFIG_FILE, genai_config(model, tok, LIBRARY_FILE if library else None))
+        _write_json(folder / CONFIG_FILE, genai_config(spec, layers, tok, LIBRARY_FILE if library else None))
         for name, data in tok.files.items():
             (folder / name).write_bytes(data)
         os.chmod(folder, 0o777 & ~_umask())  # mkdtemp's parent is private; the folder gets the usual mode

@@ -27,14 +27,14 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from export.onnx_export import DEFAULT_OPSET, ExportError, _finish, _trace
+from export.onnx_export import DEFAULT_OPSET, ExportError, _finish, _trace, text_spec_of
 from export.precision import DTYPES, Precision
 from models import onnx_contract as contract
 from models.attention_hook import KV, AttentionLayer
 from models.checkpoint import Checkpoint
 from models.multimax import ExportAttrs
 from models.onnx_contract import plugin_attrs, text_io_names
-from models.registry import TextModel, describe_model
+from models.registry import TextModel
 from models.spec import TextSpec
 from plugins.onnx_attention import OP as ATTENTION_OP
 from plugins.onnx_attention import attention_function_proto
@@ -43,23 +43,17 @@ GQA = "com.microsoft::GroupQueryAttention"
 MULTIMAX_ATTENTION = f"{contract.ONNX_DOMAIN}::{ATTENTION_OP}"
 
 
-def text_spec(model: TextModel) -> TextSpec:
-    """The model's architecture-neutral description (models.spec): sizes are read there, never from its config."""
-    spec = describe_model(model)
-    assert isinstance(spec, TextSpec)
-    return spec
-
-
-def attention_kind(model: TextModel) -> str:
-    """"softmax" or "multimax": the attentions this export has a shared-buffer node for (else ExportError)."""
-    rw = text_spec(model).reweighting
+def attention_kind(spec: TextSpec, layers: list[AttentionLayer]) -> str:
+    """"softmax" or "multimax": the attentions this export has a shared-buffer node for (else ExportError), from
+    the model's description (models.spec: sizes are read there, never from its config) and its attention layers."""
+    rw = spec.reweighting
     if rw.output not in ("softmax", "multimax"):  # onnxruntime-genai samples from softmax(logits)
         raise ExportError(f"the onnxruntime-genai folder export serves softmax (or MultiMax) outputs, not "
                           f"{rw.output!r}; export it to a single .onnx file instead")
     if rw.attention not in ("softmax", "multimax"):
         raise ExportError(f"the onnxruntime-genai folder export supports softmax and MultiMax attention, not "
                           f"{rw.attention!r}; export it to a single .onnx file instead")
-    return "multimax" if any(a.multimax for a in model.attention_layers()) else "softmax"
+    return "multimax" if any(a.multimax for a in layers) else "softmax"
 
 
 def cache_dtype(layers: list[AttentionLayer], precision: Precision) -> torch.dtype:
@@ -78,13 +72,12 @@ def _multimax_attrs(layer: AttentionLayer) -> ExportAttrs:
 class _SharedCacheDecoder(nn.Module):
     """The model's forward with one attention node per layer (traced only: the nodes have no PyTorch kernel)."""
 
-    def __init__(self, model: TextModel, precision: Precision) -> None:
+    def __init__(self, model: TextModel, layers: list[AttentionLayer], precision: Precision) -> None:
         super().__init__()
         self.model = model
         self.precision = precision
-        attention_kind(model)  # refuses what has no node
-        self.layers = model.attention_layers()  # read before tracing: the exporter's parameters are fake tensors
-        self.cache_dtype = cache_dtype(self.layers, precision)
+        self.layers = layers  # read before tracing (the exporter's parameters are fake tensors); checked by the caller
+        self.cache_dtype = cache_dtype(layers, precision)
 
     def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: KV | None,
                 mask: torch.Tensor | None, seqlens: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, KV]:
@@ -122,20 +115,28 @@ class _SharedCacheDecoder(nn.Module):
 
 
 def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET,
-                      verbose: bool = False, precision: Precision = "fp32") -> Path:
+                      verbose: bool = False, precision: Precision = "fp32", spec: TextSpec | None = None,
+                      layers: list[AttentionLayer] | None = None) -> Path:
     """Export the shared-buffer decoder graph to `out`, atomically, with every function body attached
-    (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize)."""
-    spec = text_spec(model)
+    (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize).
+
+    `spec` (the checkpoint's description) and `layers` (the model's `attention_layers()`): what the caller computed
+    for this export (export.genai_folder), else computed here. fp16 traces a copy in fp16, whose layers are its own
+    (its MultiMax parameters in fp16)."""
+    spec = spec or text_spec_of(ckpt)
     model = model.eval()
     if DTYPES[precision] != torch.float32:
         model = copy.deepcopy(model).to(DTYPES[precision])
-    layers = model.attention_layers()
+        layers = model.attention_layers()  # the traced copy's: its MultiMax parameters in its dtype
+    elif layers is None:
+        layers = model.attention_layers()
+    attention_kind(spec, layers)  # refuses what has no node
+    dtype = cache_dtype(layers, precision)
     batch, past_len, new, buffer = 2, 3, 4, 9  # buffer > past + new: the shape a shared buffer has
     ids = torch.randint(0, spec.vocab_size, (batch, new))
     mask = torch.ones(batch, past_len + new, dtype=torch.long)
     positions = torch.arange(past_len, past_len + new).expand(batch, new).contiguous()
-    past = [tuple(torch.randn(batch, a.kv_heads, buffer, a.head_dim, dtype=cache_dtype(layers, precision))
-                  for _ in range(2)) for a in layers]
+    past = [tuple(torch.randn(batch, a.kv_heads, buffer, a.head_dim, dtype=dtype) for _ in range(2)) for a in layers]
     b = torch.export.Dim(contract.BATCH, min=1, max=4096)
     t = torch.export.Dim(contract.SEQUENCE, min=1, max=spec.context_length)
     m = torch.export.Dim(contract.PAST_SEQUENCE, min=0, max=2 * spec.context_length)
@@ -147,9 +148,9 @@ def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int 
         "past_key_values": [({0: b, 2: m}, {0: b, 2: m}) for _ in layers],
     }
     inputs, outputs = text_io_names(len(layers))
-    program = _trace(_SharedCacheDecoder(model, precision), (ids, mask, positions, past), inputs, outputs, dynamic,
-                     opset, verbose)
+    program = _trace(_SharedCacheDecoder(model, layers, precision), (ids, mask, positions, past), inputs, outputs,
+                     dynamic, opset, verbose)
     if any(a.multimax for a in layers):
         fn = ir.serde.deserialize_function(attention_function_proto(opset))
         program.model.functions[fn.identifier()] = fn
-    return _finish(program, ckpt, out, opset, inline=False, precision=precision)
+    return _finish(program, ckpt, out, opset, inline=False, precision=precision, spec=spec)

@@ -25,14 +25,16 @@ import torch
 
 from export.fused_check import compare_fused, cpu_session
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE
-from export.genai_graph import attention_kind, cache_dtype, text_spec
+from export.genai_graph import cache_dtype
 from export.hf_tokenizer import FAIRSEQ_WORDS
 from export.precision import Precision
 from export.progress import Phases
 from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats, fused_atol
+from models.attention_hook import AttentionLayer
 from models.generate import generate
 from models.onnx_contract import text_feeds, text_io_names
-from models.registry import TextModel
+from models.registry import TextModel, describe_text_model
+from models.spec import TextSpec
 
 TOKENIZER_TEXTS = (
     "hello world", "  two  spaces\n\ttab\r\n", "Grüße, naïve café", "мир, Ελληνικά", "日本語のテキスト",
@@ -41,11 +43,10 @@ TOKENIZER_TEXTS = (
 GENAI_PROMPTS = ("The quick brown fox", "Once upon a time", "1 + 1 =", "über", "a")
 
 
-def _case(model: TextModel, rng: np.random.Generator, past_len: int, padding: bool,
+def _case(model: TextModel, spec: TextSpec, rng: np.random.Generator, past_len: int, padding: bool,
           dtypes: list[np.dtype]) -> tuple[dict, list[np.ndarray], int]:
     """A decoder call on a shared buffer: batch 1-8, `past_len` cached tokens, 1-8 new ones (GroupQueryAttention
     takes several new tokens on a cache only at batch 1, and no left padding: `padding=False` keeps to that)."""
-    spec = text_spec(model)
     batch, new = int(rng.integers(1, 9)), int(rng.integers(1, 9))
     if not padding and past_len and batch > 1:
         new = 1
@@ -75,10 +76,9 @@ def _case(model: TextModel, rng: np.random.Generator, past_len: int, padding: bo
     return feed, refs, total
 
 
-def _decoder_calls(model: TextModel, path: Path, samples: int, tolerance: Tolerance, phases: Phases,
-                   rng: np.random.Generator, precision: Precision) -> tuple[dict[str, Any], list[str]]:
-    attention_kind(model)
-    layers = model.attention_layers()
+def _decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer], path: Path, samples: int,
+                   tolerance: Tolerance, phases: Phases, rng: np.random.Generator,
+                   precision: Precision) -> tuple[dict[str, Any], list[str]]:
     # GroupQueryAttention takes no left padding, nor several new tokens on a cache at batch > 1: such calls only
     # where every layer is MultiMaxAttention
     padding = all(a.multimax is not None for a in layers)
@@ -86,7 +86,7 @@ def _decoder_calls(model: TextModel, path: Path, samples: int, tolerance: Tolera
     cases = []
     with phases.phase("reference (PyTorch)", total=samples, unit="case") as bar:
         for i in range(samples):
-            cases.append(_case(model, rng, 0 if i % 4 == 0 else int(rng.integers(1, 17)), padding, dtypes))
+            cases.append(_case(model, spec, rng, 0 if i % 4 == 0 else int(rng.integers(1, 17)), padding, dtypes))
             bar.update()
     _, names = text_io_names(len(layers))
     past_names = [n for n in cases[0][0] if n.startswith("past_key_values.")]
@@ -181,7 +181,7 @@ def _eos_ids(folder: Path) -> set[int]:
     return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
 
-def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
+def _genai(model: TextModel, spec: TextSpec, folder: Path, tokens: int, phases: Phases,
            exact: bool) -> tuple[dict[str, Any], list[str]]:
     try:
         import onnxruntime_genai as og
@@ -195,7 +195,8 @@ def _genai(model: TextModel, folder: Path, tokens: int, phases: Phases,
     context = _context(folder)  # a prompt gets what fits in the context, up to `tokens`
     prompts = [ids for ids in (list(tok.encode(p).ids) for p in GENAI_PROMPTS) if 0 < len(ids) < context]
     eos = _eos_ids(folder)
-    refs = [_until_eos(generate(model, p, min(tokens, context - len(p)), temperature=0)[0], eos) for p in prompts]
+    refs = [_until_eos(generate(model, p, min(tokens, context - len(p)), temperature=0, spec=spec)[0], eos)
+            for p in prompts]
     report: dict[str, Any] = {"checked": True, "version": og.__version__, "prompts": len(prompts), "tokens": tokens}
     failures = []
     has_library = (folder / LIBRARY_FILE).is_file()
@@ -265,11 +266,17 @@ def _fairseq_words(report: dict[str, Any], failures: list[str], tok: Any,
 
 def validate_genai_folder(model: TextModel, folder: Path, samples: int = 100, tokens: int = 32, seed: int = 0,
                           tolerance: Tolerance = TOLERANCES["fp32"], phases: Phases | None = None,
-                          precision: Precision = "fp32") -> dict[str, Any]:
+                          precision: Precision = "fp32", spec: TextSpec | None = None,
+                          layers: list[AttentionLayer] | None = None) -> dict[str, Any]:
+    """See the module docstring. `spec` (the model's description) and `layers` (its `attention_layers()`): what
+    export.pipeline computed once for this export, else computed here."""
     phases = phases or Phases(False)
+    spec = spec or describe_text_model(model)
+    layers = layers if layers is not None else model.attention_layers()
     rng = np.random.default_rng(seed)
-    report, failures = _decoder_calls(model, folder / MODEL_FILE, samples, tolerance, phases, rng, precision)
-    report["genai"], bad = _genai(model, folder, tokens, phases, tolerance.greedy_exact)
+    report, failures = _decoder_calls(model, spec, layers, folder / MODEL_FILE, samples, tolerance, phases, rng,
+                                      precision)
+    report["genai"], bad = _genai(model, spec, folder, tokens, phases, tolerance.greedy_exact)
     failures += bad
     report["failures"] = failures
     report["passed"] = not failures

@@ -32,7 +32,7 @@ from models.onnx_contract import (
     multimax_op_types,
     text_io_names,
 )
-from models.spec import TextSpec, VisionSpec
+from models.spec import ModelSpec, TextSpec, VisionSpec
 from plugins.onnx_functions import function_protos
 
 DEFAULT_OPSET = 18
@@ -44,7 +44,10 @@ class ExportError(ValueError):
     """An export that cannot be done as asked; one line for the user (exit code 2)."""
 
 
-def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = "fp32") -> dict[str, str]:
+def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = "fp32",
+             spec: ModelSpec | None = None) -> dict[str, str]:
+    """The file's `multimax.*` metadata; `spec`: the checkpoint's description where the caller has it (an export
+    computes it once), else described here."""
     cfg = ckpt.config
     places = [p for p in ("attention", "output") if cfg.get(f"multimax_{p}")]
     return OnnxMetadata(
@@ -56,7 +59,7 @@ def metadata(ckpt: Checkpoint, opset: int, inline: bool, precision: Precision = 
         labels=ckpt.labels,
         preprocess=ckpt.preprocess,
         tokenizer=ckpt.tokenizer,
-        spec=ckpt.spec().to_dict(),
+        spec=(spec or ckpt.spec()).to_dict(),
         exporter={
             "torch": torch.__version__,
             "onnx": onnx.__version__,
@@ -85,15 +88,16 @@ def export_vision(
     inline: bool = False,
     precision: Precision = "fp32",
     verbose: bool = False,
+    spec: VisionSpec | None = None,
 ) -> Path:
-    """Export an image classifier to `out` (atomically); batch is the one dynamic axis, named "batch"."""
-    spec = ckpt.spec()
-    assert isinstance(spec, VisionSpec), f"{ckpt.arch} is not an image classifier"
+    """Export an image classifier to `out` (atomically); batch is the one dynamic axis, named "batch".
+    `spec`: the checkpoint's description (export.pipeline computes it once per export), else described here."""
+    spec = spec or vision_spec_of(ckpt)
     example = torch.randn(2, spec.channels, spec.image_size, spec.image_size)
     module = _Vision(_in_dtype(model, precision), DTYPES[precision])
     dynamic = {VISION_INPUT: {0: contract.BATCH}}
     program = _trace(module, (example,), [VISION_INPUT], [VISION_OUTPUT], dynamic, opset, verbose)
-    return _finish(program, ckpt, out, opset, inline, precision)
+    return _finish(program, ckpt, out, opset, inline, precision, spec)
 
 
 class _Decoder(nn.Module):
@@ -121,10 +125,11 @@ def export_text(
     inline: bool = False,
     precision: Precision = "fp32",
     verbose: bool = False,
+    spec: TextSpec | None = None,
 ) -> Path:
-    """Export a decoder as one graph with KV cache (prefill when the past is empty, else decode)."""
-    spec = ckpt.spec()
-    assert isinstance(spec, TextSpec), f"{ckpt.arch} is not a text model"
+    """Export a decoder as one graph with KV cache (prefill when the past is empty, else decode).
+    `spec`: the checkpoint's description (export.pipeline computes it once per export), else described here."""
+    spec = spec or text_spec_of(ckpt)
     batch, past_len, new = 2, 3, 4  # trace above 1: sizes 0 and 1 would be specialised into the graph
     ids = torch.randint(0, spec.vocab_size, (batch, new))
     mask = torch.ones(batch, past_len + new, dtype=torch.long)
@@ -145,7 +150,21 @@ def export_text(
     inputs, outputs = text_io_names(spec.layers)
     module = _Decoder(_in_dtype(model, precision), DTYPES[precision])
     program = _trace(module, (ids, mask, positions, past), inputs, outputs, dynamic, opset, verbose)
-    return _finish(program, ckpt, out, opset, inline, precision)
+    return _finish(program, ckpt, out, opset, inline, precision, spec)
+
+
+def vision_spec_of(ckpt: Checkpoint) -> VisionSpec:
+    """The description of an image classifier's checkpoint (for callers that have none computed)."""
+    spec = ckpt.spec()
+    assert isinstance(spec, VisionSpec), f"{ckpt.arch} is not an image classifier"
+    return spec
+
+
+def text_spec_of(ckpt: Checkpoint) -> TextSpec:
+    """The description of a text checkpoint (for callers that have none computed)."""
+    spec = ckpt.spec()
+    assert isinstance(spec, TextSpec), f"{ckpt.arch} is not a text model"
+    return spec
 
 
 def _in_dtype(model: nn.Module, precision: Precision) -> nn.Module:
@@ -185,7 +204,8 @@ def _trace(
 
 
 def _finish(
-    program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision
+    program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision,
+    spec: ModelSpec,
 ) -> Path:
     """Attach the MultiMax function bodies (or inline them), quantize if asked, add the metadata, write atomically."""
     # the other reweighting functions' bodies only where the graph uses them (MultiMax files stay as they were)
@@ -203,7 +223,7 @@ def _finish(
         proto.opset_import.extend(kept)
     if precision == "int8":
         proto = quantize_int8(proto)
-    for key, value in metadata(ckpt, opset, inline, precision).items():
+    for key, value in metadata(ckpt, opset, inline, precision, spec).items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     return save_atomic(proto, out)
 

@@ -11,6 +11,7 @@ written; a missed tolerance is not an exception but `passed=False` in the report
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -26,16 +27,15 @@ from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.precision import Precision
 from export.progress import Phases, exporter_stages
 from export.summary import skipped_checks, summary, verdict
-from export.tasks import export_task
+from export.tasks import EXPORT_TASKS
 from export.threads import idle_cores
 from export.validate import TOLERANCES, check_graph
-from models import registry
 from models.checkpoint import HINT_FLAGS, Checkpoint, load
 from models.hf_folder import folder_checkpoint, is_model_folder, load_folder
 from models.labels import read_labels
 from models.onnx_contract import attention_function
 from models.registry import TextModel
-from models.spec import VisionSpec
+from models.spec import ModelSpec, TextSpec, VisionSpec
 from plugins.trt_plugin import tensorrt_unavailable
 
 MIN_OPSET = 18
@@ -154,6 +154,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], options: ExportOptions
 
 
 def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
+    """One export. The model's description (models.spec) is computed once, from the checkpoint, and handed to
+    everything that needs it (the exporter, the folder export, validation); the task's export side is looked up
+    once from it and handed to the summary."""
     precision = options.precision
     phases = Phases(show=options.progress)
     source_folder = None
@@ -164,8 +167,9 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
             model = cast(torch.nn.Module, folder_model)
         else:
             model, ckpt, _ = load(ckpt_path, **options.load_hints())
+    spec = ckpt.spec()
     if options.labels is not None:
-        attach_labels(ckpt, options.labels)
+        spec = attach_labels(ckpt, options.labels, spec)
     suffix = ".onnx" if precision == "fp32" else f".{precision}.onnx"
     stem = ckpt_path.name if source_folder else ckpt_path.stem
     folder = options.output if options.output is not None and is_folder_output(options.output) else None
@@ -174,20 +178,22 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         raise ExportError(f"cannot write {out}: directory {out.parent} does not exist")
     if out.exists() and options.notify is not None:
         options.notify(f"replacing existing {out}")  # README flows re-export on purpose; a surprise otherwise
-    task = export_task(ckpt.arch)
-    if folder and registry.task_of(ckpt.arch) != registry.TEXT:
+    task = EXPORT_TASKS[spec.task]
+    if folder and not isinstance(spec, TextSpec):
         raise ExportError(f"-o {folder}: the onnxruntime-genai folder export is for text models, {ckpt.arch} is not "
                           "one; name a .onnx file")
+    # the folder export's attention layers (models.attention_hook): read once, for its graph, config and validation
+    layers = cast(TextModel, model).attention_layers() if folder else None
     label = f"export {ckpt.arch} ({precision})"
     with phases.phase(label) as bar, exporter_stages(bar, label):
         try:
             if folder:
-                # other tasks were refused above
+                assert isinstance(spec, TextSpec)  # other tasks were refused above
                 write_folder(cast(TextModel, model), ckpt, folder, opset=options.opset, verbose=True,
-                             tokenizer_source=source_folder, precision=precision)
+                             tokenizer_source=source_folder, precision=precision, spec=spec, layers=layers)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
-                            verbose=True)
+                            verbose=True, spec=spec)
         except OSError as exc:
             raise ExportError(f"cannot write {folder or out}: {exc.strerror or exc}") from None
     report: dict[str, Any] = {
@@ -211,10 +217,12 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
         if folder:
             from export.genai_validate import validate_genai_folder
 
+            assert isinstance(spec, TextSpec)  # other tasks were refused above
             report["validation"] = validate_genai_folder(cast(TextModel, model), folder, options.samples or 100,
-                                                         tolerance=tolerance, phases=phases, precision=precision)
+                                                         tolerance=tolerance, phases=phases, precision=precision,
+                                                         spec=spec, layers=layers)
         else:
-            report["validation"] = task.validate(model, out, ckpt, options.samples, options.batch_sizes, tolerance,
+            report["validation"] = task.validate(model, out, spec, options.samples, options.batch_sizes, tolerance,
                                                  phases)
         report["validation_seconds"] = round(time.perf_counter() - start, 2)
     problems = report["graph"]["problems"] + report.get("validation", {}).get("failures", [])
@@ -225,11 +233,11 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
     report["problems"] = problems
     report["passed"] = not problems  # a skipped check (below) is no problem: exit code 0, the verdict names it
     report["skipped"] = skipped_checks(report)
-    report["verdict"] = verdict(report)
+    report["verdict"] = verdict(report, task)
     report["phase_seconds"] = {name: round(t, 2) for name, t in phases.times.items()}
     report_path = folder / REPORT_FILE if folder else out.with_name(out.name.removesuffix(".onnx") + ".validation.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
-    return ExportReport(out, report_path, report, summary(report, report_path, phases))
+    return ExportReport(out, report_path, report, summary(report, report_path, phases, task))
 
 
 def _load_hf_folder(path: Path, options: ExportOptions) -> tuple[TextModel, Checkpoint, Path]:
@@ -244,14 +252,13 @@ def _load_hf_folder(path: Path, options: ExportOptions) -> tuple[TextModel, Chec
     return model, folder_checkpoint(info), info.path
 
 
-def attach_labels(ckpt: Checkpoint, path: Path) -> None:
-    """Replace a vision checkpoint's class names by those in `path` (counted against its classes)."""
-    if registry.task_of(ckpt.arch) != registry.VISION:
-        raise ExportError(f"--labels is for image classifiers; this checkpoint is a {ckpt.arch} "
-                          f"({registry.task_of(ckpt.arch)}) model")
-    spec = ckpt.spec()
-    assert isinstance(spec, VisionSpec)
+def attach_labels(ckpt: Checkpoint, path: Path, spec: ModelSpec) -> VisionSpec:
+    """Replace a vision checkpoint's class names by those in `path` (counted against its classes); returns its
+    description (`spec`, the checkpoint's) with them."""
+    if not isinstance(spec, VisionSpec):
+        raise ExportError(f"--labels is for image classifiers; this checkpoint is a {ckpt.arch} ({spec.task}) model")
     ckpt.labels = read_labels(path, spec.classes)
+    return dataclasses.replace(spec, labels=tuple(ckpt.labels))
 
 
 def _named(path: Path, base: Path | None) -> str:

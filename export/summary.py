@@ -6,7 +6,7 @@ from pathlib import Path
 
 from export.fused_check import fused_summary
 from export.progress import Phases
-from export.tasks import export_task
+from export.tasks import ExportTask, export_task
 
 
 def multimax_line(report: dict) -> str:
@@ -58,9 +58,10 @@ def _skips(skipped: list[dict[str, str]]) -> str:
     return f"{count}: {'; '.join(s['skipped'] for s in skipped)}"
 
 
-def verdict(report: dict) -> str:
+def verdict(report: dict, task: ExportTask | None = None) -> str:
     """One honest line: "passed" only when the enforced limits were checked and held, "passed (1 check skipped:
-    onnxruntime-genai not installed)" when one could not run (`report["skipped"]`; still exit code 0)."""
+    onnxruntime-genai not installed)" when one could not run (`report["skipped"]`; still exit code 0).
+    `task`: the export side of the model's task (export.pipeline has it), else looked up from the report's arch."""
     if report["problems"]:
         return "FAILED: " + "; ".join(report["problems"])
     v = report.get("validation")
@@ -69,7 +70,7 @@ def verdict(report: dict) -> str:
     skipped = report.get("skipped", [])
     tol = v["tolerance"]
     if tol["logits_atol"] is None and tol["top1_min"] is None:
-        key = export_task(report["arch"]).agreement_key
+        key = (task or export_task(report["arch"])).agreement_key
         worst = min(v[level][key] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         worst_diff = max(v[level]["max_abs"] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
         return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, "
@@ -77,7 +78,9 @@ def verdict(report: dict) -> str:
     return f"passed ({_skips(skipped)})" if skipped else "passed"
 
 
-def summary(report: dict, report_path: Path, phases: Phases) -> str:
+def summary(report: dict, report_path: Path, phases: Phases, task: ExportTask | None = None) -> str:
+    """The console summary; `task` as `verdict`'s."""
+    task = task or export_task(report["arch"])
     g = report["graph"]
     wrote = f"the onnxruntime-genai folder {report['genai_folder']}" if "genai_folder" in report else report["onnx"]
     lines = [
@@ -86,7 +89,7 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
     ]
     v = report.get("validation")
     if v:
-        top1 = export_task(report["arch"]).agreement_key
+        top1 = task.agreement_key
         for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
             s = v[level]
             kv = f"  present {s['present_max_abs']:.2e}" if "present_max_abs" in s else ""
@@ -110,8 +113,7 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
             lines.append("  " + genai_line(v["genai"]))
         if "fused_ops" in v:
             lines.append("  " + fused_summary(v["fused_ops"]))
-        shapes = export_task(report["arch"]).shapes(v)
-        lines.append(f"  {v['samples']} random inputs, {shapes}; limits: {limits(v['tolerance'], report['arch'])}")
+        lines.append(f"  {v['samples']} random inputs, {task.shapes(v)}; limits: {limits(v['tolerance'], task)}")
     engine = report.get("engine")
     if engine and "path" in engine:
         lines.append(f"  TensorRT engine with the MultiMax plugin: {engine['path']} ({engine['seconds']:.1f} s)")
@@ -121,13 +123,13 @@ def summary(report: dict, report_path: Path, phases: Phases) -> str:
     return "\n".join(lines)
 
 
-def limits(tolerance: dict, arch: str) -> str:
+def limits(tolerance: dict, task: ExportTask) -> str:
     parts = []
     if tolerance["logits_atol"] is not None:
         parts.append(f"max|diff| <= {tolerance['logits_atol']:g}")
     if tolerance["top1_min"] is not None:
         parts.append(f"top-1 >= {tolerance['top1_min']:.0%}")
-    if tolerance["greedy_exact"] and export_task(arch).greedy_checked:
+    if tolerance["greedy_exact"] and task.greedy_checked:
         parts.append("identical greedy text")
     return ", ".join([*parts, "no NaN"])
 

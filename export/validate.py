@@ -286,11 +286,12 @@ def validate_text(
     progress: bool = True,
     tolerance: Tolerance = TOLERANCES["fp32"],
     phases: Phases | None = None,
+    spec: TextSpec | None = None,
 ) -> dict[str, Any]:
-    """Random decoder calls (every 4th with an empty past) at two ORT levels, then greedy generation."""
+    """Random decoder calls (every 4th with an empty past) at two ORT levels, then greedy generation. `spec`: the
+    model's description (export.pipeline computes it once per export), else described here."""
     phases = phases or Phases(progress)
-    spec = registry.describe_model(model)
-    assert isinstance(spec, TextSpec), f"{type(model).__name__} is not a text model"
+    spec = spec or registry.describe_text_model(model)
     output_function = spec.reweighting.output_distribution
     rng = np.random.default_rng(seed)
     cases = []
@@ -343,7 +344,7 @@ def validate_text(
         session = cpu_session(path, LEVELS["ORT_ENABLE_ALL"])
         for _ in range(prompts):
             prompt = [int(v) for v in rng.integers(low, high, int(rng.integers(1, 17)))]
-            ref = generate(model, prompt, gen_tokens, temperature=0)[0]
+            ref = generate(model, prompt, gen_tokens, temperature=0, spec=spec)[0]
             steps = min(gen_tokens, spec.context_length - len(prompt))  # as `generate`: within the context
             identical += ort_greedy(session, prompt, steps, n_layer) == ref
             bar.update()

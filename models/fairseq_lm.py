@@ -258,6 +258,10 @@ class Decoder(nn.Module):
 class FairseqLM(nn.Module):
     """The text contract's forward (ids, positions, mask, past -> logits, presents) over fairseq's decoder."""
 
+    # the text-model capabilities (models.registry.TextModel): every position's logits; the past is concatenated
+    keeps_last_logits = False
+    grows_cache_in_place = False
+
     def __init__(self, config: FairseqLMConfig) -> None:
         super().__init__()
         self.config = config

@@ -2,8 +2,8 @@
 
 - `top_k_filter`, `top_p_filter`, `sample_next`: next tokens for a batch of last-position logits (strict: bad
   parameters raise), as `generate` and training samples use them. The server's batched sampler
-  (`service.engine.text.sampler`: per-row parameters, seeds, penalties, never raising on values the API accepts) takes its
-  parameters in the same order: temperature, top_k, top_p;
+  (`service.engine.text.sampler`: per-row parameters, seeds, penalties, never raising on values the API accepts)
+  takes its parameters in the same order: temperature, top_k, top_p;
 - `stop_bytes`, `stop_match`: stop sequences on the decoded bytes;
 - `left_pad`: prompts of different lengths right-aligned in one batch;
 - `generate`: the reference generation loop with the KV cache (what the exported graph and the server are
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from models.gpt import KVCache, PastKeyValues
 from models.output_function import log_probabilities
-from models.registry import TextModel, describe_model
+from models.registry import TextModel, describe_text_model
 from models.spec import TextSpec
 from models.tokenizer import ByteTokenizer
 
@@ -149,21 +148,20 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Any = None) 
 def grows_cache_in_place(model: Any) -> bool:
     """Whether the model's attention extends its past in place where the past's buffer has room
     (models.cache_growth.extend: the Llama family), so that a caller may hand it a past with room to spare; the
-    others concatenate, and room would be copied for nothing."""
-    from models.llama import Llama
-
-    return isinstance(model, Llama)
+    others concatenate, and room would be copied for nothing. `model`: a text model (models.registry.TextModel,
+    whose classes declare it; Any: the PyTorch backend holds it as an nn.Module)."""
+    return model.grows_cache_in_place
 
 
 def keeps_last_logits(model: Any) -> bool:
-    """Whether the model's forward can compute the last positions' logits alone (models.llama's logits_to_keep, the
-    LM head and SegLU of one row instead of a whole prompt's)."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """Whether the model's forward can compute the last positions' logits alone (`logits_to_keep`: the LM head and
+    SegLU of one row instead of a whole prompt's). `model`: as `grows_cache_in_place`'s."""
+    return model.keeps_last_logits
 
 
 def _last_row_only(model: TextModel) -> dict[str, Any]:
     """The prefill's keyword for one row of logits where the model takes it."""
-    return {"logits_to_keep": 1} if keeps_last_logits(model) else {}
+    return {"logits_to_keep": 1} if model.keeps_last_logits else {}
 
 
 def _empty_past(model: TextModel, batch_size: int) -> tuple[PastKeyValues, torch.device]:
@@ -184,13 +182,15 @@ def generate(
     seed: int | None = None,
     eos_id: int | Sequence[int] | None = None,
     tokenizer: Detokenizer | None = None,
+    spec: TextSpec | None = None,
 ) -> list[list[int]]:
     """New tokens per prompt (one prompt or a batch), decoded one token per step from the KV cache.
 
     `model` is a GPT or a Llama (models.llama: Llama, Qwen2, Qwen3 folders). A row ends at an `eos_id` (one id
     or several; not returned), at a stop sequence (removed from the output), after
     max_new_tokens, or when the context is full: all rows share one cache, so the longest prompt
-    leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`.
+    leaves `block_size - len(longest)` new tokens. Sampling draws from a generator seeded by `seed`. `spec`: the
+    model's description (models.spec) where the caller has it (an export's validation), else described here.
     """
     prompts: list[list[int]] = (
         [list(cast(Sequence[int], prompt_ids))] if not prompt_ids or isinstance(prompt_ids[0], int)
@@ -198,9 +198,8 @@ def generate(
     )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. the tokenizer's <|bos|>)")
-    spec = describe_model(model)
+    spec = spec or describe_text_model(model)
     output_function = spec.reweighting.output_distribution
-    assert isinstance(spec, TextSpec), "generate needs a text model"
     longest = max(len(p) for p in prompts)
     if longest > spec.context_length:
         raise ValueError(f"prompt of {longest} tokens does not fit the context of {spec.context_length}")

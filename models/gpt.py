@@ -230,6 +230,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # the text-model capabilities (models.registry.TextModel): every position's logits; the past is concatenated
+    keeps_last_logits = False
+    grows_cache_in_place = False
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

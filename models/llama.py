@@ -316,6 +316,11 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only LM for Llama / Qwen2 / Qwen3 configs; forward as `GPT.forward`, logits in float32."""
 
+    # the text-model capabilities (models.registry.TextModel): forward takes `logits_to_keep`, and the attention
+    # extends a past with room in place (models.cache_growth.extend)
+    keeps_last_logits = True
+    grows_cache_in_place = True
+
     # A fused SegLU, fn(logits, ranges, ts) -> sigma(logits), that inference on CPU calls instead of the reference
     # (set by plugins.cpu_sigma.use_cpu_sigma; None here: models never import plugins).
     fused_sigma: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None

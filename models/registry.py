@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,20 +26,31 @@ from models import deit, fairseq_checkpoint, fairseq_lm, gpt, llama
 from models import spec as specs
 from models.loading import CheckpointError
 from models.onnx_contract import OnnxMetadata, attention_function, output_function
-from models.spec import ModelSpec, Reweighting, TextSpec, VisionSpec
+from models.spec import TEXT, VISION, ModelSpec, Reweighting, Task, TextSpec, VisionSpec
 from models.tokenizer import ByteTokenizer, tokenizer_from_dict
 
-Task = Literal["vision", "text"]
+# `Task`, `VISION`, `TEXT`: models.spec's (re-exported here: `registry.TEXT`, `registry.task_of(arch)`).
 # A text model (any registered architecture of the text task) takes (ids, positions, mask, past) and returns
 # (logits, presents); `empty_past(batch, dtype=None, device=None)` gives its zero-length cache. Its sizes are
 # in its spec (`describe`), never read from its config outside models/.
 
 
 class TextModel(Protocol):
-    """A model of the text task, whatever its architecture (GPT, Llama, the fairseq LM, a registered other)."""
+    """A model of the text task, whatever its architecture (GPT, Llama, the fairseq LM, a registered other).
+
+    Two capabilities each text model class declares (class attributes; models.generate and the PyTorch backend
+    read them, nothing probes a model's signature or class):
+    - `keeps_last_logits`: its forward takes `logits_to_keep=N` (N > 0: the logits of the last N positions only,
+      (B, N, V); a prefill that samples needs one row);
+    - `grows_cache_in_place`: its attention extends a past whose buffer has room in place
+      (models.cache_growth.extend), so a caller may hand it a past with room to spare; False: it concatenates,
+      and room would be copied for nothing.
+    """
 
     config: Any
     training: bool
+    keeps_last_logits: bool
+    grows_cache_in_place: bool
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                  past_key_values: Any = None, attend: Any = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]: ...
@@ -54,8 +65,7 @@ class TextModel(Protocol):
     def eval(self) -> Any: ...
 
     def train(self, mode: bool = True) -> Any: ...
-VISION: Task = "vision"
-TEXT: Task = "text"
+
 
 # foreign checkpoint object + hints -> (config, state dict, how it was read)
 Adapter = Callable[..., tuple[Any, dict[str, Any], dict[str, Any]]]
@@ -179,6 +189,14 @@ def describe_model(model: nn.Module | TextModel) -> ModelSpec:
     if arch is None or arch.describe is None:
         raise KeyError(f"{type(model).__name__} is not the model of a registered architecture")
     return arch.describe(model.config)
+
+
+def describe_text_model(model: TextModel) -> TextSpec:
+    """`describe_model` of a text model (TypeError for a model of another task)."""
+    spec = describe_model(model)
+    if not isinstance(spec, TextSpec):
+        raise TypeError(f"{type(model).__name__} is not a text model")
+    return spec
 
 
 def read_spec(meta: OnnxMetadata) -> ModelSpec:

@@ -1,23 +1,23 @@
-"""The task table: what a model of each task is, and where each layer keeps its part of that task.
+"""The task table: what a model of each task is, as far as the model package knows it.
 
 One row per task ("vision": image classification, "text": causal language modelling). The row names the task as
 clients see it, its description class (models.spec), the graph's inputs and outputs (models.onnx_contract), the
-metadata a file must carry to be served and the metrics labels of the routes that serve it; and it points at the
-one module per layer that holds the rest, so the layers keep importing downwards only:
+metadata a file must carry to be served and the metrics labels of the routes that serve it. The other layers keep
+their own part of each task in their own table, keyed by the same task and importing their per-task modules
+directly, so the layers keep importing downwards only:
 
-- `export`: `export.tasks` (how it is traced to ONNX, validated against PyTorch, summarised);
-- `serve`: `service.engine.tasks.<task>` (metadata validation, I/O checks, warm-up, runtime, KServe codec).
+- export: `export.tasks.EXPORT_TASKS` (how it is traced to ONNX, validated against PyTorch, summarised);
+- serving: `service.engine.tasks.SERVED` (metadata validation, I/O checks, warm-up, runtime, KServe codec).
 
-A new task: a spec class, a row here, an `ExportTask` and a `service/engine/tasks/<task>.py` (see docs/ARCHITECTURE.md).
-Architectures name their task in their registration (models.registry); nothing else branches on task names.
-No torch import.
+A new task: a spec class, a row here, an `ExportTask` in export.tasks and a `service/engine/tasks/<task>.py`
+registered in service.engine.tasks (see docs/ARCHITECTURE.md); tests/project/test_architecture.py checks that the
+three tables have the same tasks. Architectures name their task in their registration (models.registry); nothing
+else branches on task names. No torch import.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any
 
 from models.onnx_contract import LOGITS, TEXT_INPUTS, VISION_INPUT
 from models.spec import TEXT, VISION, ModelSpec, Task, TextSpec, VisionSpec
@@ -32,20 +32,13 @@ class TaskInfo:
     outputs: tuple[str, ...]
     metadata: tuple[str, ...]  # metadata fields a file must carry to be served (a vision model's labels are optional)
     endpoints: tuple[str, ...]  # metrics endpoint labels of the routes that serve it
-    export: str  # "module:attribute" of its export side (an export.tasks.ExportTask)
-    serve: str  # "module:attribute" of its serving side (a service.engine.entry.ServedTask)
-
-    def part(self, layer: str) -> Any:
-        """The object a row points at for `layer` ("export" or "serve"), imported on demand."""
-        module, _, attribute = getattr(self, layer).partition(":")
-        return getattr(importlib.import_module(module), attribute)
 
 
 TASKS: dict[Task, TaskInfo] = {
     VISION: TaskInfo(VISION, "image-classification", VisionSpec, (VISION_INPUT,), (LOGITS,), ("preprocess",),
-                     ("classify", "infer"), "export.tasks:VISION_EXPORT", "service.engine.tasks.vision:TASK"),
+                     ("classify", "infer")),
     TEXT: TaskInfo(TEXT, "text-generation", TextSpec, TEXT_INPUTS, (LOGITS,), ("tokenizer",),
-                   ("completions", "chat", "infer"), "export.tasks:TEXT_EXPORT", "service.engine.tasks.text:TASK"),
+                   ("completions", "chat", "infer")),
 }
 
 
