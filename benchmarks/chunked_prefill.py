@@ -58,7 +58,7 @@ def one_run(entry: Any, chunk: int, streams: int, long_len: int, prompt_len: int
                 seq.changed.clear()
 
         with ThreadPoolExecutor(1) as executor:
-            sched = TextScheduler(entry.name, entry.backend, entry.byte_tokenizer, entry.context_length, executor,
+            sched = TextScheduler(entry.name, entry.backend, entry.tokenizer, entry.context_length, executor,
                                   Metrics(), max_running=64, max_waiting=256, prefill_chunk=chunk)
             sched.start()
             start = time.perf_counter()

@@ -299,7 +299,7 @@ def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int)
     from service.engine.text.sampler import SamplingParams
     from service.engine.text.scheduler import GenSequence, TextScheduler
 
-    tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
+    tokenizer = entry.tokenizer or tokenizer_from_dict(entry.tokenizer_entry or {})
 
     async def main() -> tuple[Run, list[list[int]]]:
         with ThreadPoolExecutor(1) as executor:

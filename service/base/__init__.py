@@ -1,2 +1,2 @@
 """The base layer: what every layer shares (settings, metrics, request context, logs, tracing, health, the
-request-error vocabulary, the wire formats). It imports no other layer (tests/test_service_layers.py)."""
+request-error vocabulary, the wire formats). It imports no other layer (tests/service/test_layers.py)."""

@@ -40,7 +40,7 @@ def read_key_file(path: str) -> tuple[str, ...]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"api_key_file {path}: cannot read it ({type(exc).__name__}: "
-                         f"{getattr(exc, 'strerror', None) or exc})") from None
+                         f"{(exc.strerror if isinstance(exc, OSError) else None) or exc})") from None
     keys = tuple(line.strip() for line in text.splitlines())
     return tuple(k for k in keys if k and not k.startswith("#"))
 

@@ -7,9 +7,10 @@ so a container can be configured by environment alone and a person can still ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ class Settings:
     request_timeout_s: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_bytes: int = 1024 * 1024  # JSON is parsed on the event loop: this bounds how long one parse takes
-    # None: follows each model's input size (service.engine.runtime.image_pixel_limit); the request budget: 4 images'
+    # None: follows each model's input size (service.engine.tasks.vision.image_pixel_limit); the request budget:
+    # 4 images'
     max_image_pixels: int | None = None
     max_request_pixels: int | None = None
     decode_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
@@ -101,6 +103,9 @@ class Settings:
     # between their decode steps (chunked prefill), so it holds each of their steps up for one chunk's time instead
     # of the whole prompt's; 0: prompts are prefilled whole
     prefill_chunk_tokens: int = 512
+    # KV cache kept per text model for prompts that start as recent ones did (a chat's system prompt, its earlier
+    # turns), which are then prefilled from where that part ends; least recently used first out; 0: off
+    prefix_cache_mb: float = 256.0
     # Slow clients: a connection must deliver its request headers, and then its body, within these.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -159,26 +164,27 @@ class Settings:
                     "max_prompts_per_request", "max_choices_per_request", "max_connections", "max_model_bytes",
                     "max_grammar_bytes", "max_grammar_depth", "max_guided_choices", "max_regex_repeat",
                     "grammar_workers", "max_kserve_json_output_bytes")
+        values = vars(self)  # the fields by name
         for name in positive:
-            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            if values[name] is not None and int(values[name]) < 1:
+                raise ValueError(f"{name} must be at least 1, got {values[name]}")
         for name in ("max_queue_delay_ms", "intra_op_threads", "inter_op_threads", "default_max_tokens",
-                     "warmup_calls", "prefill_chunk_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+                     "warmup_calls", "prefill_chunk_tokens", "prefix_cache_mb"):
+            if values[name] < 0:
+                raise ValueError(f"{name} must not be negative, got {values[name]}")
         if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
             raise ValueError(f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS:g}, got "
                              f"{self.stream_interval_ms}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
                      "idle_timeout_s", "grammar_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if values[name] <= 0:
+                raise ValueError(f"{name} must be positive, got {values[name]}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         object.__setattr__(self, "api_keys", check_access(self))  # TLS, key file and tracing checks
 
     def replace(self, **changes: Any) -> Settings:
-        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self) if f.init} | changes)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,8 @@ OPTIONS: tuple[_Option, ...] = (
             "socket writes a token, each token later by up to this)", "MS"),
     _Option("prefill_chunk_tokens", int, "generation: a prompt longer than this arriving while other sequences "
             "decode is prefilled this many tokens a step, between their steps (0: whole prompts)", "N"),
+    _Option("prefix_cache_mb", float, "generation: MiB of KV cache kept per model for prompts' shared starts (a "
+            "system prompt, earlier turns), reused by prompts that start the same way; LRU; 0: off", "MB"),
     _Option("header_timeout_s", float, "a connection must send a request's headers within this (else closed)", "S"),
     _Option("body_timeout_s", float, "a request's body must arrive within this (else 408)", "S"),
     _Option("idle_timeout_s", float, "a connection that sends nothing is closed after this", "S"),
@@ -301,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Every option can also be set by environment variable {ENV_PREFIX}<OPTION> "
         f"(e.g. {env_name('port')}=9000); the command line wins.",
     )
+    default_values = vars(defaults)
     for opt in OPTIONS:
-        default = getattr(defaults, opt.name)
+        default = default_values[opt.name]
         shown = ",".join(default) if isinstance(default, tuple) else "auto" if default is None else default
         kwargs: dict[str, Any] = {"dest": opt.name, "help": f"{opt.help} [env {env_name(opt.name)}; default {shown!s}]"}
         if opt.choices:
@@ -323,10 +332,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     `parser`: build_parser()'s parser with more options added (another entry point, e.g. service.ray)."""
     environ = os.environ if environ is None else environ
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    given = vars(parser.parse_args(argv))  # the parsed options by name
     values: dict[str, Any] = {}
     for opt in OPTIONS:
-        cli = getattr(args, opt.name)
+        cli = given[opt.name]
         if cli is not None and opt.repeat:
             cli = tuple(v for part in cli for v in part)  # --api-key a --api-key b,c: (a, b, c)
         if cli is not None:

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.base.context import CURRENT, HEADER, ID_RULE, RequestContext, new_id, valid_id
@@ -91,7 +92,7 @@ class RequestTracking:
 
     def _finish(self, scope: Scope, ctx: RequestContext, status: int, start: float,
                 error: BaseException | None) -> None:
-        route = getattr(scope.get("route"), "path", None)
+        route = route_path(scope.get("route"))
         if ctx.span is not None:
             end_request_span(ctx.span, scope["method"], route, scope["path"], status, ctx.request_id, ctx.model,
                              ctx.endpoint, error)
@@ -107,3 +108,8 @@ class RequestTracking:
             fields |= {"queue_ms": round(timing.queue_s * 1000, 3), "compute_ms": round(timing.compute_s * 1000, 3)}
         access_log.info("%s %s %d %.1f ms", fields["method"], fields["path"], status, fields["duration_ms"],
                         extra=fields)
+
+
+def route_path(route: Any) -> str | None:
+    """The path template of the route a request matched ("/v2/models/{name}/infer"), None for none (or a host)."""
+    return route.path if isinstance(route, (Route, WebSocketRoute, Mount)) else None

@@ -23,7 +23,7 @@ from service.edge.handlers import install_handlers
 from service.edge.middleware import BodyLimit, ContainErrors, GraceExpiry, ServerTiming
 from service.engine.registry import load_models
 from service.engine.runtime import Runtimes
-from service.protocols import chat_api, classify, control, kserve, openai_api
+from service.protocols import chat_api, classify, control, kserve, openai_api, responses_api, tokenize_api
 from service.protocols.endpoint import labelled_routes
 
 # What browser code may read of a cross-origin response (CORS hides every other header from it).
@@ -75,10 +75,13 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     install_docs(app)
     app.include_router(openai_api.router)
     app.include_router(chat_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(tokenize_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
     app.include_router(control.router)
-    app.state.model_routes = labelled_routes(openai_api.router, chat_api.router, classify.router, kserve.router)
+    app.state.model_routes = labelled_routes(openai_api.router, chat_api.router, responses_api.router,
+                                             tokenize_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")
     async def prometheus(request: Request) -> Response:

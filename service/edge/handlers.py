@@ -16,6 +16,7 @@ from service.base.errors import ServiceError, error_response
 from service.engine.engine_errors import EngineError
 from service.protocols.endpoint import count_refused
 from service.protocols.engine_status import http_error
+from service.protocols.lifecycle import CountedHTTPException
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         code = {413: "body_too_large", 408: "body_timeout", 499: "client_disconnected"}.get(exc.status_code)
-        if exc.status_code != 404 and not getattr(exc, "counted", False):
+        if exc.status_code != 404 and not isinstance(exc, CountedHTTPException):
             count_refused(request.app, request.scope, exc.status_code)  # refused before the endpoint ran
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"

@@ -86,8 +86,9 @@ def load_hf_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
     backend = HFTorchBackend(path, ckpt, model, where, settings.torch_compile)
     tokenizer = HFTextTokenizer(info.tokenizer)
     spec = _with_tokenizer(architectures.spec_of("llama", config), tokenizer)
-    entry = ModelEntry(name, "llama", backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
-    entry.byte_tokenizer = tokenizer
+    entry = ModelEntry(name, "llama", backend, config, spec, served(spec.TASK),
+                       tokenizer_entry=tokenizer.to_dict())
+    entry.tokenizer = tokenizer
     entry.details = {"architecture": info.architecture, "format": "huggingface-folder",
                      "dtype": str(info.dtype).removeprefix("torch."),
                      "multimax": _multimax_summary(spec.reweighting, info.multimax), "tokenizer": tokenizer.describe()}
@@ -310,8 +311,9 @@ def load_genai_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
         reweighting = Reweighting()
     spec = _with_tokenizer(TextSpec((backend.kv_heads,) * backend.n_layer, backend.head_dim, vocab, context,
                                     reweighting), tokenizer)
-    entry = ModelEntry(name, arch, backend, config, spec, served(spec.TASK), tokenizer=tokenizer.to_dict())
-    entry.byte_tokenizer = tokenizer
+    entry = ModelEntry(name, arch, backend, config, spec, served(spec.TASK),
+                       tokenizer_entry=tokenizer.to_dict())
+    entry.tokenizer = tokenizer
     entry.details = {"architecture": backend.arch or "unknown", "format": "onnxruntime-genai-folder",
                      "multimax": _multimax_summary(reweighting, None) if meta_config else None,
                      "tokenizer": tokenizer.describe()}

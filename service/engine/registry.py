@@ -177,7 +177,8 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         served_task = served(task)
         if not isinstance(backend, served_task.backend):
             raise BackendUnavailable(f"{path.name}: the {backend.kind} backend does not run {task} models")
-        missing = [field for field in served_task.metadata if not getattr(meta, field)]
+        carried = vars(meta)  # OnnxMetadata's fields by name (the task table names the ones it needs)
+        missing = [field for field in served_task.metadata if not carried[field]]
         if missing:
             raise BackendUnavailable(f"{path.name}: a {task} model needs {' and '.join(missing)} metadata; the file "
                                      "has none")
@@ -185,7 +186,7 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
         backend.close()
         raise
     entry = ModelEntry(name, arch, backend, dict(meta.config), spec, served_task, meta.labels, meta.preprocess,
-                       meta.tokenizer)
+                       tokenizer_entry=meta.tokenizer)
     try:
         validate(entry, path.name)
     except BaseException:
@@ -195,12 +196,11 @@ def load_model(name: str, kind: str, files: dict[str, Path], settings: Settings)
 
 
 def validate(entry: ModelEntry, source: str) -> None:
-    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels, the description's sizes
-    against what the backend really computes (a mismatch would otherwise fail every request)."""
-    entry.served.validate(entry, source)
-    entry.served.check_io(entry, source)
-
-
+    """Everything a request will rely on, checked now: preprocessing, tokenizer, labels (the entry becomes its
+    task's model, `entry.model`), the description's sizes against what the backend really computes (a mismatch
+    would otherwise fail every request)."""
+    entry.model = entry.served.load(entry, source)
+    entry.model.check_io(source)
 
 
 def load_registry(settings: Settings) -> dict[str, ModelEntry]:

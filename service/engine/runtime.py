@@ -1,4 +1,6 @@
-"""What runs per served model: its backend, a worker thread, and its batcher or decode loop."""
+"""What runs per served model: its backend, a worker thread, and its batcher or decode loop (`ModelRuntime`;
+each task's own, `VisionRuntime` and `TextRuntime`, is in its `service.engine.tasks` module), and every served
+model's runtimes (`Runtimes`)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,17 @@ import torch
 
 from models import tasks
 from models.output_function import probabilities
-from models.registry import TEXT, VISION
-from models.tokenizer import tokenizer_from_dict
 from service.base.config import Settings
 from service.base.errors import ServiceError, shown
 from service.base.metrics import UNKNOWN_MODEL, Metrics
-from service.engine.backends.base import TextBackend, VisionBackend
-from service.engine.batcher import DynamicBatcher
 from service.engine.decoding import DecodePool
 from service.engine.engine_errors import ShuttingDown
-from service.engine.entry import Failed, Loaded, ModelEntry
-from service.engine.text.scheduler import TextScheduler
-from service.engine.vision import Preprocess
+from service.engine.entry import Failed, Loaded, ModelEntry, ModelRuntime
+from service.engine.tasks.text import TextRuntime
+from service.engine.tasks.vision import VisionRuntime, image_pixel_limit
+
+__all__ = ["ModelRuntime", "R", "Runtimes", "TextRuntime", "VisionRuntime", "image_pixel_limit",
+           "output_probabilities", "softmax", "version_number"]
 
 log = logging.getLogger(__name__)
 
@@ -48,105 +49,7 @@ def version_number(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
-class _Runtime:
-    """One served model: its entry, the one thread it computes on, and its worker (batcher or decode loop)."""
-
-    worker: DynamicBatcher | TextScheduler
-
-    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor) -> None:
-        self.entry = entry
-        self.executor = executor  # one thread: the model computes one call at a time, off the event loop
-        self.leases = 0  # requests (streams included) that hold this runtime: it is released once they finish
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def version(self) -> int:
-        return self.entry.version
-
-    def acquire(self) -> None:
-        self.leases += 1
-        self._idle.clear()
-
-    def release(self) -> None:
-        self.leases -= 1
-        if self.leases == 0:
-            self._idle.set()
-
-    async def drained(self) -> None:
-        """Returns once no request holds this runtime (or `stop_waiting` was called)."""
-        await self._idle.wait()
-
-    def stop_waiting(self) -> None:
-        self._idle.set()
-
-    @property
-    def task(self) -> str:
-        return self.entry.task
-
-    @property
-    def problem(self) -> str | None:
-        """Why this model is not ready (its worker died or keeps failing), or None."""
-        return self.worker.problem
-
-
-MIN_AUTO_PIXELS, MAX_AUTO_PIXELS = 4_000_000, 40_000_000
-
-
-def image_pixel_limit(settings: Settings, spec: Preprocess) -> tuple[int, int]:
-    """(largest image, pixels of one request's images) a model decodes: the settings', else from the model's input.
-    A model resizing to 256 px needs nothing near 40 megapixels: 256 x its resize side squared (16.7 MP for
-    a 224/256 DeiT) is far more than any detail it can see, bounded by 4 MP (a phone photo scaled down) and
-    40 MP; a request may hold 4 such images."""
-    per_image = settings.max_image_pixels or min(MAX_AUTO_PIXELS, max(MIN_AUTO_PIXELS, 256 * spec.resize ** 2))
-    return per_image, settings.max_request_pixels or 4 * per_image
-
-
-class VisionRuntime(_Runtime):
-    """An image classifier: requests' images go through its dynamic batcher."""
-
-    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> None:
-        super().__init__(entry, executor)
-        assert isinstance(entry.backend, VisionBackend), "a vision model's backend runs vision"
-        self.backend: VisionBackend = entry.backend
-        self.preprocess = entry.preprocessor or Preprocess.from_metadata(entry.preprocess or {})
-        self.labels: list[str] = entry.labels or []
-        self.output_function: str | None = entry.config.get("output_function")
-        self.max_image_pixels, self.max_request_pixels = image_pixel_limit(settings, self.preprocess)
-        self.batcher = self.worker = DynamicBatcher(entry.name, self.predict, executor, metrics,
-                                                    settings.max_batch_size, settings.max_queue_delay_ms / 1000,
-                                                    settings.max_queue_size)
-
-    def predict(self, pixel_values: np.ndarray) -> np.ndarray:
-        """The batch's logits (float32); classification turns them into probabilities (`output_probabilities`)."""
-        return self.backend.run_vision(pixel_values).astype(np.float32, copy=False)
-
-
-class TextRuntime(_Runtime):
-    """A text generator: requests' sequences join its continuous-batching decode loop."""
-
-    def __init__(self, entry: ModelEntry, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> None:
-        super().__init__(entry, executor)
-        assert isinstance(entry.backend, TextBackend), "a text model's backend runs text"
-        assert entry.context_length is not None
-        self.backend: TextBackend = entry.backend
-        self.tokenizer = entry.byte_tokenizer or tokenizer_from_dict(entry.tokenizer or {})
-        self.context_length: int = entry.context_length
-        self.vocab_size: int = self.tokenizer.vocab_size  # validated against the spec's at load
-        self.scheduler = self.worker = TextScheduler(entry.name, entry.backend, self.tokenizer, self.context_length,
-                                                     executor, metrics, settings.max_running_sequences,
-                                                     settings.max_waiting_sequences,
-                                                     output_function=entry.config.get("output_function"),
-                                                     handoff_interval_s=settings.stream_interval_ms / 1000,
-                                                     prefill_chunk=settings.prefill_chunk_tokens)
-
-
-ModelRuntime = VisionRuntime | TextRuntime
-R = TypeVar("R", VisionRuntime, TextRuntime)
+R = TypeVar("R", bound=ModelRuntime)
 
 
 class Runtimes:
@@ -181,8 +84,7 @@ class Runtimes:
 
     def runtime_of(self, entry: ModelEntry) -> ModelRuntime:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{entry.name}-{entry.version}")
-        runtime: ModelRuntime = entry.served.runtime(entry, executor, self.settings, self.metrics)
-        return runtime
+        return entry.model.runtime(executor, self.settings, self.metrics)
 
     def publish(self, name: str) -> None:
         """Route plain requests for `name` to its latest version (or nowhere), and point its metrics there."""
@@ -299,7 +201,7 @@ class Runtimes:
         """The runtime of `name`, which must be of `kind` (a 400 naming both tasks otherwise)."""
         rt = self.get(name, version)
         if not isinstance(rt, kind):
-            want = tasks.get(VISION if kind is VisionRuntime else TEXT).name
+            want = tasks.get(kind.TASK).name
             raise ServiceError(400, f"model {name!r} is a {rt.task} model, not {want}", code="wrong_task",
                                param="model")
         return rt

@@ -6,61 +6,70 @@ loop as /v1/completions, with the same sampling options (n, seed, temperature, t
 max_completion_tokens, logprobs + top_logprobs, vLLM's ignore_eos / min_tokens / top_k). A stream sends the
 role first, then the content as it is complete (one chunk per decode step), then the finish reason, then usage
 (stream_options.include_usage). Structured output (response_format, guided_*) is `service.protocols.structured`, as on
-/v1/completions; undeclared fields are judged by `service.protocols.fields` (tools and unimplemented fields: 400).
+/v1/completions; undeclared fields are judged by `service.protocols.fields` (unimplemented fields: 400).
+
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`; `assistant` messages with `tool_calls`, `tool`
+messages) is `service.protocols.tools`: the tools rendered through the model's chat template, the reply constrained
+by the call grammar so every call's arguments parse and validate, and split into `message.content` and
+`message.tool_calls` (finish_reason "tool_calls"); a stream sends each call's id and name, then its arguments in
+fragments.
+
+A chat completion is read (`service.protocols.openai_body`), its conversation rendered and encoded, its body built
+into a `GenerationRequest` (`service.protocols.generation_request`) and answered by `service.protocols.generation`,
+in the shape `ChatFormat` gives its choices and chunks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from service.base.errors import MODEL_CALL, ServiceError, bad_request, error_responses, openai_body
+from models.tokenizer import TextTokenizer
+from service.base.errors import MODEL_CALL, bad_request, error_responses
 from service.base.tracing import phase
-from service.engine.text import GenSequence, TokenLogprobs
 from service.engine.runtime import Runtimes, TextRuntime
-from service.protocols import choices, fields, prompt_encoding
+from service.engine.text import GenSequence, IncrementalDetokenizer, TokenLogprobs
+from service.protocols import choices, fields, generation, generation_request, prompt_encoding, tools
 from service.protocols.chat_template import ChatTemplateError, render
 from service.protocols.endpoint import model_call, model_endpoint
-from service.protocols.lifecycle import Tracker
-from service.protocols.openai_api import (
-    CompletionRequest,
-    SamplingExtensions,
-    StreamOptions,
-    _inline_refs,
-    _raise_errors,
-    _sse,
-    choice_counts,
-    logit_bias,
-    read_json_object,
-    read_text_request,
-    run_sequences,
-    sampling_params,
-    step_reader,
-    with_structured_output,
-)
+from service.protocols.generation_request import GenerationRequest, SamplingOptions
+from service.protocols.grammar_limits import GrammarLimits
+from service.protocols.openai_body import SamplingExtensions, Stop, StreamOptions, openapi_body, read_text_body
+from service.protocols.stream_steps import StepReader
+from service.protocols.tool_parser import CallParser, Delta
 
 router = APIRouter(tags=["openai"])
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made (as this server returned it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"] = Field(description="tool messages are not supported")
-    content: str | list[dict[str, Any]] = Field(description="a string, or a list of text parts "
-                                                "({\"type\": \"text\", \"text\": ...})")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = Field(
+        None, description="a string, or a list of text parts ({\"type\": \"text\", \"text\": ...}); null only for "
+                          "an assistant message with tool_calls")
     name: str | None = Field(None, max_length=256)
-
-
-Stop = Annotated[str, Field(max_length=256)]
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
+    refusal: None = Field(None, description="accepted as null (an answer's message sent back as it came)")
 
 
 class ChatCompletionRequest(SamplingExtensions):
@@ -83,10 +92,23 @@ class ChatCompletionRequest(SamplingExtensions):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description=(
+        "function tools: {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\": "
+        "a JSON schema}}"))
+    tool_choice: str | dict[str, Any] | None = Field(None, description="'none', 'auto' (the default with tools), "
+                                                     "'required' or {\"type\": \"function\", \"function\": "
+                                                     "{\"name\": ...}}")
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
 
 
 def unsupported_fields(req: ChatCompletionRequest) -> None:
-    """400 naming the first undeclared field that is not known to change nothing (never accepted and ignored)."""
+    """400 naming the first undeclared field that is not known to change nothing (never accepted and ignored);
+    OpenAI's deprecated functions / function_call point to tools."""
+    for name in ("functions", "function_call"):
+        value = (req.model_extra or {}).get(name)
+        if value is not None and value != [] and value != "none":
+            raise bad_request(f"{name} (deprecated by OpenAI) is not supported; use tools and tool_choice", name,
+                              code="unsupported_parameter")
     fields.refuse_undeclared(req.model_extra, fields.CHAT_NOT_SUPPORTED)
 
 
@@ -107,36 +129,61 @@ def _text_parts(parts: list[dict[str, Any]], i: int) -> list[str]:
 
 
 def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the template sees them: text parts joined by newlines (as vLLM's string format). Their
-    texts were checked for valid Unicode where the body entered (service.protocols.request_text)."""
+    """The messages as the template sees them, before tool calling prepares them (service.protocols.tools): text
+    parts joined by newlines (as vLLM's string format); content null only for an assistant message with calls,
+    tool_calls only on an assistant message, tool_call_id only on a tool message. Their texts were checked for
+    valid Unicode where the body entered (service.protocols.request_text)."""
     out = []
     for i, m in enumerate(req.messages):
-        content = m.content if isinstance(m.content, str) else "\n".join(_text_parts(m.content, i))
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_request(f"messages.{i}.content is required (null only for an assistant message with "
+                              "tool_calls)", f"messages.{i}.content")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls: only an assistant message makes tool calls",
+                              f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise bad_request(f"messages.{i}.tool_call_id: only a tool message answers a tool call",
+                              f"messages.{i}.tool_call_id")
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "\n".join(_text_parts(m.content, i))
         message: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
 
 def _text_size(req: ChatCompletionRequest) -> int:
-    """Characters of the messages (the template adds a few per message): how long rendering them takes."""
-    return sum(64 + (len(m.content) if isinstance(m.content, str)
-                     else sum(len(str(part.get("text", ""))) for part in m.content)) for m in req.messages)
+    """Characters of the messages and tools (the template adds a few per message): how long rendering them takes."""
+    size = sum(64 + (len(m.content) if isinstance(m.content, str) else 0 if m.content is None
+                     else sum(len(str(part.get("text", ""))) for part in m.content))
+               + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in req.messages)
+    return size + (len(str(req.tools)) if req.tools else 0)
 
 
-def chat_prompt(rt: TextRuntime, req: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered with the model's chat template and encoded (400 when the model has none or the
-    template refuses the conversation). Long conversations are rendered and encoded on a thread
-    (prompt_encoding.run)."""
-    tok = rt.tokenizer
-    template = tok.chat_template
+def chat_template(rt: TextRuntime) -> str:
+    """The model's chat template; 400 when it has none."""
+    template = rt.tokenizer.chat_template
     if not template:
         raise bad_request(f"model {rt.name!r} has no chat template (tokenizer_config.json has no chat_template); "
                           "use /v1/completions", "model", code="no_chat_template")
+    return template
+
+
+def chat_prompt(rt: TextRuntime, req: ChatCompletionRequest, plan: tools.ToolPlan | None = None) -> list[int]:
+    """The conversation rendered with the model's chat template (with `plan`'s tools) and encoded (400 when the
+    model has none, a tool message answers no call, or the template refuses the conversation). Long conversations
+    are rendered and encoded on a thread (prompt_encoding.run)."""
+    tok = rt.tokenizer
+    template = chat_template(rt)
     specials = tok.special_texts()
+    messages, extra = tools.prepare_messages(conversation(req), template, plan)
     try:
-        text = render(template, conversation(req), specials, add_generation_prompt=True)
+        text = render(template, messages, specials, add_generation_prompt=True, **extra)
     except ChatTemplateError as exc:
         raise bad_request(f"the model's chat template refused the messages: {exc}", "messages",
                           code="chat_template_error") from None
@@ -146,25 +193,16 @@ def chat_prompt(rt: TextRuntime, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-def as_completion(req: ChatCompletionRequest, prompt: list[int]) -> CompletionRequest:
-    """The sampling options of a chat request in /v1/completions' terms (their checks and limits are shared)."""
+def sampling_options(req: ChatCompletionRequest) -> SamplingOptions:
+    """The chat's sampling fields in /v1/completions' terms (their checks and limits are shared): max_tokens is
+    max_completion_tokens (or the deprecated max_tokens), logprobs the number of top_logprobs; no echo, no best_of."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return CompletionRequest.model_construct(
-        model=req.model, prompt=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, n=req.n, best_of=None, stream=req.stream, stream_options=req.stream_options, stop=req.stop,
-        seed=req.seed, echo=False, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
-
-
-async def read_chat(request: Request, runtimes: Runtimes) -> ChatCompletionRequest:
-    obj = await read_json_object(request, runtimes)
-    try:
-        return ChatCompletionRequest.model_validate(obj)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+    return req.options(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                       n=req.n, best_of=None, stop=req.stop, seed=req.seed,
+                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, echo=False,
+                       stream=bool(req.stream), stream_options=req.stream_options)
 
 
 # ---- response -----------------------------------------------------------------------------------------------
@@ -187,112 +225,124 @@ def logprobs_content(tok: Any, tokens: list[int], lps: TokenLogprobs, top: int, 
     return out
 
 
-def _message_choice(tok: Any, seq: GenSequence, index: int, top: int | None) -> dict[str, Any]:
-    lps = {"content": logprobs_content(tok, seq.tokens, seq.logprobs, top)} if top is not None else None
-    text = tok.decode(seq.tokens) + seq.stop_tail.decode("utf-8", "replace")
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": lps, "finish_reason": seq.finish_reason}
-
-
 @router.post("/v1/chat/completions", summary="Chat completion (OpenAI), streamed with SSE",
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": _inline_refs(ChatCompletionRequest.model_json_schema())}}}},
+             openapi_extra=openapi_body(ChatCompletionRequest),
              responses={200: {"content": {"text/event-stream": {}}, "description": "a chat completion, or its stream"},
                         **error_responses(False, MODEL_CALL)})
 @model_endpoint("chat")
 async def chat_completions(request: Request) -> Response:
     runtimes: Runtimes = request.app.state.runtimes
     settings = runtimes.settings
-    req = await read_text_request(request, runtimes, read_chat)
+    req = await read_text_body(request, runtimes, ChatCompletionRequest)
     async with model_call(request, req.model, finish=False) as call:
-        tracker = call.tracker
         rt = call.runtime(req.model, TextRuntime)
         unsupported_fields(req)
+        plan = tools.read_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template=chat_template(rt))
+        tools.refuse_conflicts(plan, dict(req))
+        if plan is not None:  # measured before they are rendered (linear scans; long ones on a thread)
+            await prompt_encoding.run(len(str(req.tools)), tools.check_schemas, plan,
+                                      GrammarLimits.from_settings(settings))
         with phase("tokenize"):
-            prompt = await prompt_encoding.run(_text_size(req), chat_prompt, rt, req)
-        creq = as_completion(req, prompt)
-        n, _ = choice_counts(creq, 1, settings)
-        changed = asyncio.Event()
-        try:
-            params = sampling_params(creq, len(prompt), rt.context_length, rt.context_length,
-                                     logit_bias(creq, rt.tokenizer.vocab_size))
-        except ServiceError as exc:
-            if exc.param == "prompt":
-                exc.param = "messages"  # the chat's prompt is its rendered messages
-            raise
-        [params] = await with_structured_output(req, rt.tokenizer, [params], settings)
-        seqs = choices.expand([prompt], [params], n, changed)[0]
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.name,
-                "system_fingerprint": f"{rt.name}:{rt.version}"}
-        top = creq.logprobs
-        options = req.stream_options or StreamOptions()
-        sse = await run_sequences(call, rt, seqs, changed,
-                                  (lambda: _chat_stream(rt, seqs, changed, meta, options, top, tracker))
-                                  if req.stream else None)
-        if sse is not None:
-            return sse
-        body = {**meta, "object": "chat.completion",
-                "choices": [_message_choice(rt.tokenizer, s, i, top) for i, s in enumerate(seqs)],
-                "usage": choices.usage([seqs])}
-        tracker.finish("success")
-    with phase("encode"):
-        content = json.dumps(body)
-    return Response(content, media_type="application/json")
+            prompt = await prompt_encoding.run(_text_size(req), chat_prompt, rt, req, plan)
+        # the chat's prompt is its rendered messages: a conversation too long for the context is blamed on them
+        gen = await generation_request.build([prompt], sampling_options(req), rt, settings,
+                                             default_max_tokens=rt.context_length, prompt_field="messages",
+                                             constraint=tools.constraint(plan, rt.tokenizer, settings))
+        return await generation.respond(call, rt, gen, ChatFormat(rt.tokenizer, gen, plan))
 
 
-async def _chat_stream(rt: TextRuntime, seqs: list[GenSequence], changed: asyncio.Event, meta: dict[str, Any],
-                       opts: StreamOptions, top: int | None, tracker: Tracker) -> AsyncIterator[bytes]:
-    """chat.completion.chunk events: each choice's role, then its content one decode step at a time, then its
-    finish_reason (an empty delta); then usage when asked for, then [DONE]."""
-    tok = rt.tokenizer
-    readers = [step_reader(tok, s) for s in seqs]
-    sent_finish = [False] * len(seqs)
-    sent_tokens = [0] * len(seqs)
-    base = {**meta, "object": "chat.completion.chunk"}
-    outcome = "cancelled"
+class ChatFormat(generation.ResponseFormat):
+    """A chat completion's choices as OpenAI's chat API has them: an assistant message and its `logprobs.content`;
+    a stream sends each choice's role first, then its content one decode step at a time, then its finish_reason
+    (an empty delta). With tools that may be called (`plan`), the reply is split into content and tool calls
+    (service.protocols.tools): the message's `tool_calls`, and in a stream each call's opening delta (index, id,
+    name, empty arguments) then its argument fragments; finish_reason "tool_calls" when the reply made calls."""
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> bytes:
-        body: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta, "logprobs": lps,
-                                                     "finish_reason": finish}]}
-        if opts.continuous_usage_stats:
-            body["usage"] = choices.usage([seqs])
-        return _sse(body)
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
 
-    try:
-        yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(seqs)))
-        while True:
-            _raise_errors(seqs)
-            events: list[bytes] = []  # this wake-up's events (one per step and choice), sent in one write
-            for i, (s, reader) in enumerate(zip(seqs, readers, strict=True)):
-                if sent_finish[i]:
-                    continue
-                texts, finished = reader.pieces()
-                for text, covered in texts:
-                    if not text:
-                        continue
-                    lps = None
-                    if top is not None:
-                        lps = {"content": logprobs_content(tok, s.tokens, s.logprobs, top, sent_tokens[i], covered)}
-                        sent_tokens[i] = max(sent_tokens[i], covered)
-                    events.append(chunk(i, {"content": text}, lps=lps))
-                if finished:
-                    sent_finish[i] = True
-                    events.append(chunk(i, {}, s.finish_reason))
-            if all(sent_finish):
-                if opts.include_usage:
-                    events.append(_sse({**base, "choices": [], "usage": choices.usage([seqs])}))
-                yield b"".join([*events, b"data: [DONE]\n\n"])
-                break
-            if events:
-                yield b"".join(events)
-            await changed.wait()
-            changed.clear()
-        outcome = "success"
-    except ServiceError as exc:
-        outcome = exc.outcome
-        yield _sse(openai_body(exc.status, exc.message, exc.code))
-        yield b"data: [DONE]\n\n"
-    finally:
-        for s in seqs:
-            rt.scheduler.cancel(s)
-        tracker.finish(outcome)
+    def __init__(self, tokenizer: TextTokenizer, request: GenerationRequest,
+                 plan: tools.ToolPlan | None = None) -> None:
+        self.tokenizer, self.top = tokenizer, request.logprobs
+        self.sent_tokens: dict[int, int] = {}  # choice -> generated tokens whose logprobs went out
+        self.plan = plan if plan is not None and plan.calls else None
+        self.decode = tools.decoder(self.plan, tokenizer)  # None: the tokenizer's own decode keeps the trigger
+        self.parsers: dict[int, CallParser] = {}  # choice -> its stream's parser (with tools)
+
+    def choice(self, index: int, seq: GenSequence) -> dict[str, Any]:
+        tok, top = self.tokenizer, self.top
+        lps = {"content": logprobs_content(tok, seq.tokens, seq.logprobs, top)} if top is not None else None
+        text = (self.decode or tok.decode)(seq.tokens) + seq.stop_tail.decode("utf-8", "replace")
+        if self.plan is None:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": lps, "finish_reason": seq.finish_reason}
+        parsed = tools.parse(text, self.plan)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [c.openai() for c in parsed.calls]
+        return {"index": index, "message": message, "logprobs": lps,
+                "finish_reason": tools.finish_reason(bool(parsed.calls), seq.finish_reason)}
+
+    def opening(self, index: int) -> list[dict[str, Any]]:
+        return [_entry(index, {"role": "assistant", "content": ""})]
+
+    def reader(self, tokenizer: TextTokenizer, seq: GenSequence) -> StepReader:
+        if self.decode is None:
+            return super().reader(tokenizer, seq)
+        stops = [b.decode("utf-8", errors="replace") for b in seq.params.stop]
+        return StepReader(seq, IncrementalDetokenizer(self.decode, seq.prompt, stops, tokenizer.joins_next))
+
+    def _logprobs(self, index: int, seq: GenSequence, covered: int) -> Any:
+        if self.top is None:
+            return None
+        sent = self.sent_tokens.get(index, 0)
+        self.sent_tokens[index] = max(sent, covered)
+        return {"content": logprobs_content(self.tokenizer, seq.tokens, seq.logprobs, self.top, sent, covered)}
+
+    def entries(self, index: int, seq: GenSequence, texts: list[tuple[str, int]],
+                finished: bool) -> list[dict[str, Any]]:
+        if self.plan is not None:
+            return self._tool_entries(index, seq, texts, finished)
+        out = []
+        for text, covered in texts:
+            if not text:
+                continue
+            out.append(_entry(index, {"content": text}, lps=self._logprobs(index, seq, covered)))
+        if finished:
+            out.append(_entry(index, {}, seq.finish_reason))
+        return out
+
+    def _tool_entries(self, index: int, seq: GenSequence, texts: list[tuple[str, int]],
+                      finished: bool) -> list[dict[str, Any]]:
+        assert self.plan is not None
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.plan.parser()
+        out = []
+        for k, (text, covered) in enumerate(texts):
+            deltas = parser.feed(text, final=finished and k == len(texts) - 1)
+            for j, delta in enumerate(deltas):  # a step's logprobs ride on its first delta
+                out.append(_entry(index, _delta(delta), lps=self._logprobs(index, seq, covered) if j == 0 else None))
+        if finished:
+            if not texts:
+                out.extend(_entry(index, _delta(d)) for d in parser.feed("", final=True))
+            called = any(c.complete for c in parser.calls)
+            rest = self.top is not None and self.sent_tokens.get(index, 0) < len(seq.tokens)  # held-back tokens'
+            lps = self._logprobs(index, seq, len(seq.tokens)) if rest else None
+            out.append(_entry(index, {}, tools.finish_reason(called, seq.finish_reason), lps=lps))
+        return out
+
+
+def _delta(delta: Delta) -> dict[str, Any]:
+    """A tool-call parser's news as a chat chunk's delta."""
+    if delta.kind == "content":
+        return {"content": delta.text}
+    if delta.kind == "call":
+        return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
+                                "function": {"name": delta.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.text}}]}
+
+
+def _entry(index: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from models.tokenizer import TextTokenizer
-from service.engine.text.sampler import SamplingParams, TokenLogprobs
-from service.engine.text.scheduler import GenSequence
+from service.engine.text import GenSequence, SamplingParams, TokenLogprobs
 
 
 def expand(prompts: list[list[int]], params: list[SamplingParams], best_of: int,

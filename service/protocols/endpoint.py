@@ -20,8 +20,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, TypeVar
 
+from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match, Route
 
 from service.base.config import Settings
 from service.base.context import current
@@ -33,15 +34,20 @@ from service.protocols.lifecycle import Tracker, deadline, outcome_of, tracked, 
 T = TypeVar("T")
 H = TypeVar("H", bound=ModelRuntime)
 F = TypeVar("F", bound=Callable[..., Any])
-LABEL_ATTRIBUTE = "endpoint_label"
+LABELS: dict[Callable[..., Any], str] = {}  # route function of each model endpoint -> its label in the metrics
 
 
 def model_endpoint(label: str) -> Callable[[F], F]:
     """Marks a route function as a model endpoint counted under `label` (placed below the route decorator)."""
     def mark(fn: F) -> F:
-        setattr(fn, LABEL_ATTRIBUTE, label)
+        LABELS[fn] = label
         return fn
     return mark
+
+
+def label_of(endpoint: Any) -> str | None:
+    """The metrics label of a route's endpoint, None for a route that is no model endpoint."""
+    return LABELS.get(endpoint) if callable(endpoint) else None
 
 
 class ModelCall:
@@ -79,14 +85,13 @@ class ModelCall:
         record_timing(queue_s, compute_s)
 
 
-def labelled_routes(*routers: Any) -> list[Any]:
+def labelled_routes(*routers: Any) -> list[BaseRoute]:
     """The model endpoints' routes of these routers (what `endpoint_of` matches a request against before routing)."""
-    return [r for router in routers for r in router.routes
-            if getattr(getattr(r, "endpoint", None), LABEL_ATTRIBUTE, None) is not None]
+    return [r for router in routers for r in router.routes if isinstance(r, Route) and label_of(r.endpoint)]
 
 
 def endpoint_label(request: Request) -> str:
-    label = getattr(request.scope.get("endpoint"), LABEL_ATTRIBUTE, None)
+    label = label_of(request.scope.get("endpoint"))
     if label is None:
         raise RuntimeError(f"{request.url.path}: model_call outside a @model_endpoint route")
     return str(label)
@@ -104,17 +109,18 @@ async def model_call(request: Request, model: str, *, finish: bool = True) -> As
         yield ModelCall(request, runtimes, tracker)
 
 
-def endpoint_of(app: Any, scope: MutableMapping[str, Any], models: Any) -> tuple[str, str] | None:
+def endpoint_of(app: Starlette, scope: MutableMapping[str, Any], models: Any) -> tuple[str, str] | None:
     """(model label, endpoint label) of a model endpoint's request, for requests refused before it ran; the
     route is the one the router chose, or (before routing, in a middleware) the one it will choose."""
     endpoint, params = scope.get("endpoint"), scope.get("path_params") or {}
-    if endpoint is None and app is not None:
-        matches = [route.matches(scope) for route in getattr(app.state, "model_routes", ())]
+    if endpoint is None:
+        routes: list[BaseRoute] = app.state.model_routes  # service.edge.app sets them
+        matches = [route.matches(scope) for route in routes]
         # a full match, else a partial one (path right, method wrong: a 405 of that route)
         found = sorted((m for m in matches if m[0] != Match.NONE), key=lambda m: m[0] != Match.FULL)
         if found:
             endpoint, params = found[0][1].get("endpoint"), found[0][1].get("path_params") or {}
-    label = getattr(endpoint, LABEL_ATTRIBUTE, None)
+    label = label_of(endpoint)
     if label is None:
         return None
     name = params.get("name")  # completions name the model in the body, which could not be read
@@ -122,10 +128,11 @@ def endpoint_of(app: Any, scope: MutableMapping[str, Any], models: Any) -> tuple
 
 
 def count_refused(app: Any, scope: MutableMapping[str, Any], status: int) -> None:
-    """Count a request refused before its endpoint ran (body too large, body that fails validation)."""
-    runtimes = getattr(getattr(app, "state", None), "runtimes", None)
-    if runtimes is None:
+    """Count a request refused before its endpoint ran (body too large, body that fails validation); `app`: the
+    server's (scope["app"]: service.edge.app sets its runtimes and model routes on its state), else nothing."""
+    if not isinstance(app, Starlette):
         return
+    runtimes: Runtimes = app.state.runtimes
     labels = endpoint_of(app, scope, runtimes.models)
     if labels is not None:
         # A request without a valid key (or from a foreign page) has not reached the model it names: counted

@@ -10,7 +10,6 @@ run between decode steps. Errors are `{"error": "<message>"}` with a 4xx status.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import numpy as np
@@ -24,9 +23,8 @@ from service.base.errors import LOOKUP, MODEL_CALL, error_responses
 from service.base.jsonio import dumps
 from service.base.kserve_codec import DTYPES, HEADER_LENGTH, decode_tensors, encode_outputs, parse_body
 from service.base.tracing import phase
-from service.engine.runtime import ModelRuntime, Runtimes, TextRuntime, VisionRuntime
-from service.engine.tasks.text import kserve_check_outputs
-from service.protocols.endpoint import ModelCall, model_call, model_endpoint
+from service.engine.runtime import ModelRuntime, Runtimes
+from service.protocols.endpoint import model_call, model_endpoint
 
 router = APIRouter(tags=["kserve-v2"])
 SERVER_NAME = "multimax-serve"
@@ -78,7 +76,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def io_spec(rt: ModelRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    return rt.entry.served.kserve_io(rt)
+    return rt.kserve_io()
 
 
 def _model(request: Request, name: str, version: str | None) -> ModelRuntime:
@@ -202,10 +200,8 @@ async def model_config(name: str, request: Request, version: str | None = None) 
         "max_batch_size": settings.max_batch_size,
         "input": [triton(t) for t in inputs], "output": [triton(t) for t in outputs],
         "parameters": {"task": {"string_value": rt.task}, "provider": {"string_value": rt.entry.backend.provider}},
+        **rt.kserve_config(settings),  # a vision model's dynamic batching
     }
-    if isinstance(rt, VisionRuntime):
-        config["dynamic_batching"] = {"max_queue_delay_microseconds": int(settings.max_queue_delay_ms * 1000),
-                                      "default_queue_policy": {"max_queue_size": settings.max_queue_size}}
     return _json(config)
 
 
@@ -217,8 +213,7 @@ async def read_request(request: Request, limit: int, json_limit: int) -> tuple[d
 
 
 def encode_response(rt: ModelRuntime, header: dict[str, Any], outputs: dict[str, np.ndarray]) -> Response:
-    labels = rt.labels if isinstance(rt, VisionRuntime) else []
-    head, blobs = encode_outputs(rt.name, str(rt.version), header, outputs, labels)
+    head, blobs = encode_outputs(rt.name, str(rt.version), header, outputs, rt.labels)
     if not blobs:
         return Response(head, media_type="application/json")
     return Response(head + b"".join(blobs), media_type="application/octet-stream",
@@ -236,48 +231,20 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     async with model_call(request, name) as call:
         settings = call.settings
         rt = call.hold(_model(request, name, version))
-        if isinstance(rt, VisionRuntime):  # a request that will get 429 is refused before its body is read
-            rt.batcher.check_room()
-        else:
-            rt.scheduler.check_exclusive_room()
+        rt.check_infer_room()  # a request that will get 429 is refused before its body is read
         with phase("preprocess"):
             header, binary = await read_request(request, settings.max_body_bytes, settings.max_json_bytes)
             tensors = decode_tensors(header, binary, settings.max_body_bytes)
         params = header.get("parameters") or {}
         timeout_us = params.get("timeout") if isinstance(params, dict) else None
         requested = timeout_us / 1e6 if isinstance(timeout_us, (int, float)) and timeout_us > 0 else None
-        if isinstance(rt, VisionRuntime):
-            rows = rt.entry.served.kserve_decode(rt, tensors, settings.max_batch_size)
-            future = rt.batcher.enqueue(rows, call.deadline(requested))
-            try:
-                result = await call.wait(future)
-            finally:
-                future.cancel()
-            call.timing(result.queue_s, result.compute_s)
-            outputs = {LOGITS: result.output}
-        else:
-            ids, mask = rt.entry.served.kserve_decode(rt, tensors, settings.max_batch_size)
-            kserve_check_outputs(header, ids.shape[0], ids.shape[1], rt.vocab_size,
-                                 settings.max_kserve_json_output_bytes)
-            outputs = {LOGITS: await _text_forward(rt, ids, mask, call)}
+        run = rt.kserve_call(header, tensors, settings)  # checked (400) before it queues
+        result = await call.wait(run(call.deadline(requested)))
+        call.timing(result.queue_s, result.compute_s)
+        outputs = {LOGITS: result.output}
         with phase("encode"):
             if sum(v.size for v in outputs.values()) > OFF_LOOP_VALUES:
                 response = await asyncio.to_thread(encode_response, rt, header, outputs)
             else:
                 response = encode_response(rt, header, outputs)
     return response
-
-
-async def _text_forward(rt: TextRuntime, ids: np.ndarray, mask: np.ndarray, call: ModelCall) -> np.ndarray:
-    """One stateless forward with an empty past, run on the model's thread between decode steps."""
-    arrived = time.perf_counter()
-    started: list[float] = []
-
-    def forward() -> np.ndarray:
-        started.append(time.perf_counter())
-        return rt.backend.forward_stateless(ids, mask)
-
-    logits = await call.wait(rt.scheduler.run_exclusive(forward))
-    done = time.perf_counter()
-    call.timing(started[0] - arrived, done - started[0])
-    return logits.astype(np.float32, copy=False)

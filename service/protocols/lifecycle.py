@@ -24,6 +24,11 @@ class ClientGone(ServiceError):
         super().__init__(499, "client disconnected", code="client_disconnected")
 
 
+class CountedHTTPException(HTTPException):
+    """An HTTPException raised while a model endpoint's request was tracked, so already counted in its metrics (the
+    edge's error handler must not count it again)."""
+
+
 class Tracker:
     """Counts one request: pending while it runs, then its duration and outcome."""
 
@@ -60,8 +65,9 @@ async def tracked(metrics: Metrics, model: str, endpoint: str, *, finish: bool =
         raise error from None
     except HTTPException as exc:  # e.g. a body over the limit while it streams in, or a malformed multipart
         tracker.finish(outcome_of(exc.status_code))
-        exc.counted = True  # type: ignore[attr-defined]  # the error handler must not count it again
-        raise
+        if isinstance(exc, CountedHTTPException):
+            raise
+        raise CountedHTTPException(exc.status_code, exc.detail, exc.headers) from exc
     except asyncio.CancelledError:
         tracker.finish("cancelled")
         raise

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from service.engine.text.detokenizer import IncrementalDetokenizer
-from service.engine.text import GenSequence
+from models.tokenizer import TextTokenizer
+from service.engine.text import GenSequence, IncrementalDetokenizer
 
 MAX_BACKLOG = 16  # more steps than this waiting: the client reads slower than the model writes
 
@@ -54,3 +54,9 @@ class StepReader:
     def covered(self) -> int:
         """Generated tokens whose text has been sent."""
         return self.detokenizer.covered
+
+
+def step_reader(tokenizer: TextTokenizer, seq: GenSequence) -> StepReader:
+    """A sequence's stream of step texts, detokenized incrementally, stop strings held back."""
+    stops = [b.decode("utf-8", errors="replace") for b in seq.params.stop]
+    return StepReader(seq, IncrementalDetokenizer(tokenizer.decode, seq.prompt, stops, tokenizer.joins_next))

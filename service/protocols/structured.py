@@ -14,6 +14,8 @@ admitted, never the server's end nor a 500 mid-stream.
 
 `processors_for_request(fields, tokenizer, settings)` is what an endpoint awaits (completions and chat alike);
 `processors_for(fields, tokenizer)` does the same in-process and synchronously, for tools and tests.
+`compile_job` / `compile_here` compile a grammar built elsewhere the same two ways (tool calling's,
+service.protocols.tools).
 """
 
 from __future__ import annotations
@@ -334,15 +336,27 @@ def processors_for(fields: Mapping[str, Any], tokenizer: Any,
     if job is None:
         return ()
     try:
-        tok = lltokenizer(tokenizer)
-    except ValueError as exc:
-        raise _unsupported(job.field, exc) from None
-    try:
-        made = grammar_worker.matcher(tok, grammar_worker.compile_grammar(job))
-        grammar_worker.probe(made.deep_copy(), tok)
+        return (GrammarProcessor(compile_here(job, tokenizer), int(tokenizer.vocab_size), job.field),)
     except GrammarRefused as exc:
         raise _refused(job, exc) from None
-    return (GrammarProcessor(made, int(tokenizer.vocab_size), job.field),)
+    except ValueError as exc:
+        raise _unsupported(job.field, exc) from None
+
+
+def compile_here(job: GrammarJob, tokenizer: Any) -> llguidance.LLMatcher:
+    """The job's matcher over `tokenizer`, compiled and probed in this process and thread: GrammarRefused for a
+    grammar llguidance refuses or that cannot take its first tokens, ValueError for a tokenizer that cannot have
+    a grammar (a word-level dictionary, no end token)."""
+    tok = lltokenizer(tokenizer)
+    try:
+        grammar = grammar_worker.compile_grammar(job)
+    except GrammarRefused:
+        raise
+    except Exception as exc:  # as the worker answers it: still the grammar's doing
+        raise GrammarRefused(f"cannot be used: {grammar_worker.first_line(str(exc))}") from None
+    made = grammar_worker.matcher(tok, grammar)
+    grammar_worker.probe(made.deep_copy(), tok)
+    return made
 
 
 def _plan(fields: Mapping[str, Any], tokenizer: Any, limits: GrammarLimits) -> tuple[GrammarJob, TokenizerSpec] | None:
@@ -359,20 +373,31 @@ def _server_matcher(tokenizer: Any, grammar: str) -> llguidance.LLMatcher:
     return grammar_worker.matcher(lltokenizer(tokenizer), grammar)
 
 
+async def compile_job(job: GrammarJob, tokenizer: Any, settings: Settings,
+                      spec: TokenizerSpec | None = None) -> llguidance.LLMatcher:
+    """The job's matcher as the server compiles a grammar, never on the event loop: compiled and probed in a
+    worker process first (a crash or a timeout there is GrammarRefused: grammar_guard.GrammarWorkerFailed), then
+    compiled again here on the grammar build thread (its stack twice the worker's). GrammarRefused for a grammar
+    that cannot be used, ValueError for a tokenizer that cannot have one (`spec`: the tokenizer's, if known)."""
+    if spec is None:
+        spec = await asyncio.to_thread(tokenizer_spec, tokenizer)
+    guard = grammar_guard.guard_for(settings.grammar_workers, settings.grammar_timeout_s)
+    grammar = await asyncio.to_thread(guard.check, job, spec)
+    return await asyncio.get_running_loop().run_in_executor(grammar_guard.builder(), _server_matcher, tokenizer,
+                                                            grammar)
+
+
 async def processors_for_request(fields: Mapping[str, Any], tokenizer: Any,
                                  settings: Settings) -> tuple[LogitsProcessor, ...]:
     """`processors_for` as the server runs it, never on the event loop: the fields measured on a thread, the
     grammar compiled and probed in a worker process (a crash or a timeout there is this request's 400), then
-    compiled again here on the grammar build thread (its stack twice the worker's)."""
+    compiled again here on the grammar build thread (`compile_job`)."""
     planned = await asyncio.to_thread(_plan, fields, tokenizer, GrammarLimits.from_settings(settings))
     if planned is None:
         return ()
     job, spec = planned
-    guard = grammar_guard.guard_for(settings.grammar_workers, settings.grammar_timeout_s)
     try:
-        grammar = await asyncio.to_thread(guard.check, job, spec)
-        made = await asyncio.get_running_loop().run_in_executor(grammar_guard.builder(), _server_matcher,
-                                                                tokenizer, grammar)
+        made = await compile_job(job, tokenizer, settings, spec)
     except GrammarRefused as exc:
         raise _refused(job, exc) from None
     return (GrammarProcessor(made, int(tokenizer.vocab_size), job.field),)

@@ -9,12 +9,22 @@ Ray is imported only here (install with `pip install -e ".[ray]"`), and only whe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from service.base.config import Settings
+from service.edge.ray.options import ScaleOptions
 
-def __getattr__(name: str) -> Any:
-    if name in ("build", "build_app"):
-        from service.edge.ray import app
 
-        return getattr(app, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def build(args: Mapping[str, Any] | None = None) -> Any:
+    """The application builder of `serve run service.ray:build` (service.edge.ray.app.build), Ray imported now."""
+    from service.edge.ray import app
+
+    return app.build(args)
+
+
+def build_app(settings: Settings, scale: ScaleOptions) -> Any:
+    """The application `python -m service.ray` runs (service.edge.ray.app.build_app), Ray imported now."""
+    from service.edge.ray import app
+
+    return app.build_app(settings, scale)

@@ -45,9 +45,10 @@ class ScaleOptions:
             raise ValueError(f"proxy must be one of {', '.join(PROXIES)}, got {self.proxy!r}")
         if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
             raise ValueError("give either --replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling)")
+        values = vars(self)  # the fields by name
         for name in ("replicas", "max_replicas", "max_ongoing_requests"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            if values[name] is not None and values[name] < 1:
+                raise ValueError(f"{name} must be at least 1, got {values[name]}")
         if self.min_replicas is not None and self.min_replicas < 0:
             raise ValueError(f"min_replicas must not be negative, got {self.min_replicas}")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
@@ -55,11 +56,11 @@ class ScaleOptions:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must not be negative, got {self.max_queued_requests}")
         for name in ("target_ongoing_requests", "health_check_period_s", "metrics_push_s"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if values[name] is not None and values[name] <= 0:
+                raise ValueError(f"{name} must be positive, got {values[name]}")
         for name in ("retry_after_s", "replica_cpus", "replica_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+            if values[name] < 0:
+                raise ValueError(f"{name} must not be negative, got {values[name]}")
 
     @property
     def autoscaling(self) -> bool:
@@ -163,7 +164,8 @@ def parse(argv: Sequence[str] | None = None,
                      "redeploying (serve deploy / serve run with the new model directory)")
     args = parser.parse_args(argv)
     try:
-        scale = ScaleOptions(**{name: getattr(args, name) for name in RAY_OPTIONS})
+        given = vars(args)  # the parsed options by name
+        scale = ScaleOptions(**{name: given[name] for name in RAY_OPTIONS})
     except ValueError as exc:
         parser.error(str(exc))
     return settings, scale

@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from service.base.config import Settings
 from service.base.errors import error_response
+from service.edge.access import route_path
 from service.edge.app import create_app
 from service.edge.ray.metrics import snapshot
 from service.engine.runtime import Runtimes
@@ -104,7 +105,7 @@ class ServiceReplica:
 
 def _replace_route(app: FastAPI, path: str, endpoint: Any) -> None:
     routes = app.router.routes
-    routes[:] = [r for r in routes if getattr(r, "path", None) != path]
+    routes[:] = [r for r in routes if route_path(r) != path]
     app.add_api_route(path, endpoint, methods=["GET"], response_class=Response, tags=["monitoring"],
                       summary="Prometheus metrics of every replica of the deployment (text format)")
 

@@ -39,6 +39,9 @@ class Backend(ABC):
     platform: str  # KServe/Triton platform name
     provider: str  # what really executes: an ORT execution provider, "cuda", "cpu", ...
     arch: str  # an architecture of models.registry
+    # The onnxruntime InferenceSession it runs, if it runs one (the startup checks compare its graph's input and
+    # output shapes with the model's description: service.engine.tasks.shapes); None for the others.
+    session: Any = None
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.engine.backends.base import Backend
 
-def session_shapes(backend: Any) -> tuple[dict[str, list[int | None]], dict[str, list[int | None]]] | None:
+
+def session_shapes(backend: Backend) -> tuple[dict[str, list[int | None]], dict[str, list[int | None]]] | None:
     """(inputs, outputs) name -> static dims of an onnxruntime session's graph; None for a backend without one
     (PyTorch: its config was checked against the weights; TensorRT: its engine decides)."""
-    session = getattr(backend, "session", None)
+    session = backend.session
     if session is None:
         return None
     return ({i.name: static(i.shape) for i in session.get_inputs()},

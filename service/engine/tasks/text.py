@@ -3,6 +3,8 @@ KServe codec, in one place (the `serve` part of models.tasks' text row)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -11,126 +13,180 @@ import torch
 from models import tasks
 from models.onnx_contract import ATTENTION_MASK, INPUT_IDS, LOGITS, past_names
 from models.spec import TEXT, TextSpec
-from models.tokenizer import tokenizer_from_dict
+from models.tokenizer import TextTokenizer, tokenizer_from_dict
 from service.base.config import Settings
 from service.base.kserve_codec import bad, exact_input, json_output_bytes, requested_outputs
+from service.base.metrics import Metrics
 from service.engine.backends.base import TextBackend
-from service.engine.entry import ModelEntry, ServedTask
-from service.engine.runtime import TextRuntime
+from service.engine.entry import InferCall, InferResult, ModelEntry, ModelRuntime, ServedTask, TaskModel
 from service.engine.tasks.shapes import compare, session_shapes
+from service.engine.text import TextScheduler
 from service.engine.warmup import DECODE_STEPS, prompt_lengths
 
 
-def validate(entry: ModelEntry, source: str) -> None:
-    if entry.details:  # a model folder: its tokenizer was read from tokenizer.json (service.engine.model_folders)
-        assert entry.byte_tokenizer is not None and isinstance(entry.spec, TextSpec)
-        if entry.byte_tokenizer.vocab_size > entry.spec.vocab_size:
-            raise ValueError(f"{source}: the tokenizer has {entry.byte_tokenizer.vocab_size} tokens, the model's "
-                             f"vocabulary {entry.spec.vocab_size}")
-        return
-    try:
-        entry.byte_tokenizer = tokenizer_from_dict(entry.tokenizer or {})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
-    assert isinstance(entry.spec, TextSpec)
-    vocab = entry.spec.vocab_size
-    if entry.byte_tokenizer.vocab_size > vocab:  # fewer is fine: an embedding padded past the tokenizer (Qwen2)
-        raise ValueError(f"{source}: the tokenizer has {entry.byte_tokenizer.vocab_size} tokens, the model's "
-                         f"vocabulary (config vocab_size) {vocab}")
+def load(entry: ModelEntry, source: str) -> TextModel:
+    """The entry as a text model: its tokenizer built from its metadata (a model folder comes with its own), and
+    checked against the vocabulary."""
+    spec, backend = entry.spec, entry.backend
+    if not isinstance(spec, TextSpec) or not isinstance(backend, TextBackend):  # the registry chose it by both
+        raise ValueError(f"{source}: a {spec.TASK} model on the {backend.kind} backend is no text generator")
+    tokenizer = entry.tokenizer  # a model folder's, read from its tokenizer.json (service.engine.model_folders)
+    if tokenizer is None:
+        try:
+            tokenizer = entry.tokenizer = tokenizer_from_dict(entry.tokenizer_entry or {})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: unusable tokenizer metadata: {exc}") from None
+    # fewer tokens than the vocabulary is fine: an embedding padded past the tokenizer (Qwen2)
+    if tokenizer.vocab_size > spec.vocab_size:
+        what = "vocabulary" if entry.details else "vocabulary (config vocab_size)"
+        raise ValueError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens, the model's {what} "
+                         f"{spec.vocab_size}")
+    return TextModel(entry, spec, backend, tokenizer)
 
 
-def check_io(entry: ModelEntry, source: str) -> None:
-    spec = entry.spec
-    assert isinstance(spec, TextSpec)
-    shapes = session_shapes(entry.backend)
-    if shapes is not None:
-        inputs, outputs = shapes
-        compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, None, spec.vocab_size])
-        for layer, pair in enumerate(past_names(spec.layers)):
-            for name in (n for n in pair if n in inputs):
-                compare(source, f"input {name}", inputs[name], [None, spec.kv_heads[layer], None, spec.head_size])
-    check_context(entry, source)
+class TextModel(TaskModel):
+    """A text generator, loaded: its description, backend and tokenizer."""
 
+    def __init__(self, entry: ModelEntry, spec: TextSpec, backend: TextBackend, tokenizer: TextTokenizer) -> None:
+        super().__init__(entry)
+        self.spec, self.backend, self.tokenizer = spec, backend, tokenizer
 
-def check_context(entry: ModelEntry, source: str) -> None:
-    """A text model's claimed context against its graph: one prompt of the full context must compute (and give
-    finite logits). A file whose metadata claims more positions than its position table holds would otherwise
-    load, then fail every long prompt with a 500 (and take the model's readiness with it)."""
-    if entry.details.get("format") == "huggingface-folder":
-        return  # a Hugging Face folder's RoPE has no position table to run out of
-    backend, spec = entry.backend, entry.spec
-    assert isinstance(backend, TextBackend) and isinstance(spec, TextSpec)
-    context, vocab = spec.context_length, spec.vocab_size
-    ids = (np.arange(context, dtype=np.int64) % vocab)[None]
-    mask = np.ones_like(ids)
-    try:
-        with torch.inference_mode():
-            logits = backend.forward_stateless(ids, mask)
-    except Exception as exc:  # whatever the runtime raises for an index out of its table
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a prompt "
-                         f"of {context} tokens fails ({first})") from None
-    if logits.shape[:2] != (1, context) or not np.isfinite(logits[0, -1]).all():
-        raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a prompt "
-                         f"of {context} tokens gives logits of shape {list(logits.shape)}, or not finite ones")
+    def check_io(self, source: str) -> None:
+        spec = self.spec
+        shapes = session_shapes(self.backend)
+        if shapes is not None:
+            inputs, outputs = shapes
+            compare(source, f"output {LOGITS}", outputs.get(LOGITS, []), [None, None, spec.vocab_size])
+            for layer, pair in enumerate(past_names(spec.layers)):
+                for name in (n for n in pair if n in inputs):
+                    compare(source, f"input {name}", inputs[name], [None, spec.kv_heads[layer], None,
+                                                                    spec.head_size])
+        self.check_context(source)
 
-
-@torch.inference_mode()
-def warm_up(entry: ModelEntry, settings: Settings) -> int:
-    """A prefill at a short and at a half-context prompt length, each followed by decode steps on its KV cache,
-    for one sequence and for a small batch."""
-    backend, spec = entry.backend, entry.spec
-    assert isinstance(backend, TextBackend) and isinstance(spec, TextSpec)
-    context, vocab = spec.context_length, spec.vocab_size
-    rng = np.random.default_rng(0)
-    calls = 0
-    for batch in sorted({1, min(4, settings.max_running_sequences)}):
-        for length in prompt_lengths(context):
-            for _ in range(settings.warmup_calls):
-                ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
-                mask = np.ones_like(ids)
-                positions = np.cumsum(mask, axis=1) - 1
-                _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
-                calls += 1
-                for _ in range(min(DECODE_STEPS, context - length)):
-                    positions = mask.sum(axis=1, keepdims=True)
-                    mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-                    _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask, positions,
-                                               past)
-                    calls += 1
-    return calls
-
-
-def kserve_io(rt: TextRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    return ([{"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
-             {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1], "optional": True}],
-            [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, rt.vocab_size]}])
-
-
-def kserve_decode(rt: TextRuntime, tensors: dict[str, np.ndarray], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The request's input_ids and attention_mask, checked (one stateless forward takes them)."""
-    extra = sorted(set(tensors) - {INPUT_IDS, ATTENTION_MASK})
-    if extra:
-        raise bad(f"unknown input(s) {', '.join(extra)} (model takes {INPUT_IDS}, {ATTENTION_MASK})")
-    ids = exact_input(tensors, INPUT_IDS, "INT64")
-    context, vocab = rt.context_length, rt.vocab_size
-    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
-        raise bad(f"input input_ids: shape {list(ids.shape)}, expected [n, T] with n, T >= 1")
-    if ids.shape[0] > max_batch:
-        raise bad(f"input input_ids: batch {ids.shape[0]} exceeds max_batch_size {max_batch}")
-    if ids.shape[1] > context:
-        raise bad(f"input input_ids: {ids.shape[1]} tokens exceed the context of {context}")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise bad(f"input input_ids: token ids must be in 0..{vocab - 1}")
-    if ATTENTION_MASK in tensors:
-        mask = exact_input(tensors, ATTENTION_MASK, "INT64")
-        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
-            raise bad("input attention_mask: must be 0/1 with the shape of input_ids")
-        if not mask[:, -1].all():
-            raise bad("input attention_mask: padding goes on the left (the last position must be real)")
-    else:
+    def check_context(self, source: str) -> None:
+        """A text model's claimed context against its graph: one prompt of the full context must compute (and give
+        finite logits). A file whose metadata claims more positions than its position table holds would otherwise
+        load, then fail every long prompt with a 500 (and take the model's readiness with it)."""
+        if self.entry.details.get("format") == "huggingface-folder":
+            return  # a Hugging Face folder's RoPE has no position table to run out of
+        context, vocab = self.spec.context_length, self.spec.vocab_size
+        ids = (np.arange(context, dtype=np.int64) % vocab)[None]
         mask = np.ones_like(ids)
-    return np.ascontiguousarray(ids), np.ascontiguousarray(mask)
+        try:
+            with torch.inference_mode():
+                logits = self.backend.forward_stateless(ids, mask)
+        except Exception as exc:  # whatever the runtime raises for an index out of its table
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a "
+                             f"prompt of {context} tokens fails ({first})") from None
+        if logits.shape[:2] != (1, context) or not np.isfinite(logits[0, -1]).all():
+            raise ValueError(f"{source}: the metadata's context of {context} tokens does not fit the graph: a "
+                             f"prompt of {context} tokens gives logits of shape {list(logits.shape)}, or not finite "
+                             "ones")
+
+    @torch.inference_mode()
+    def warm_up(self, settings: Settings) -> int:
+        """A prefill at a short and at a half-context prompt length, each followed by decode steps on its KV cache,
+        for one sequence and for a small batch."""
+        backend = self.backend
+        context, vocab = self.spec.context_length, self.spec.vocab_size
+        rng = np.random.default_rng(0)
+        calls = 0
+        for batch in sorted({1, min(4, settings.max_running_sequences)}):
+            for length in prompt_lengths(context):
+                for _ in range(settings.warmup_calls):
+                    ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
+                    mask = np.ones_like(ids)
+                    positions = np.cumsum(mask, axis=1) - 1
+                    _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
+                    calls += 1
+                    for _ in range(min(DECODE_STEPS, context - length)):
+                        positions = mask.sum(axis=1, keepdims=True)
+                        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                        _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask,
+                                                   positions, past)
+                        calls += 1
+        return calls
+
+    def runtime(self, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> TextRuntime:
+        return TextRuntime(self, executor, settings, metrics)
+
+
+class TextRuntime(ModelRuntime):
+    """A text generator: requests' sequences join its continuous-batching decode loop."""
+
+    TASK = TEXT
+
+    def __init__(self, model: TextModel, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> None:
+        entry = model.entry
+        super().__init__(entry, executor)
+        self.backend = model.backend
+        self.tokenizer = model.tokenizer
+        self.context_length = model.spec.context_length
+        self.vocab_size = self.tokenizer.vocab_size  # validated against the spec's at load
+        self.scheduler = self.worker = TextScheduler(entry.name, self.backend, self.tokenizer, self.context_length,
+                                                     executor, metrics, settings.max_running_sequences,
+                                                     settings.max_waiting_sequences,
+                                                     output_function=entry.config.get("output_function"),
+                                                     handoff_interval_s=settings.stream_interval_ms / 1000,
+                                                     prefill_chunk=settings.prefill_chunk_tokens,
+                                                     prefix_cache_bytes=int(settings.prefix_cache_mb * (1 << 20)))
+
+    # ---- KServe V2: input_ids INT64 [n, T] (and attention_mask) -> logits FP32 [n, T, vocab] ----
+
+    def kserve_io(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        return ([{"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
+                 {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1], "optional": True}],
+                [{"name": LOGITS, "datatype": "FP32", "shape": [-1, -1, self.vocab_size]}])
+
+    def check_infer_room(self) -> None:
+        self.scheduler.check_exclusive_room()
+
+    def kserve_call(self, header: dict[str, Any], tensors: dict[str, np.ndarray], settings: Settings) -> InferCall:
+        """One stateless forward with an empty past, run on the model's thread between decode steps (it has no
+        deadline of its own: the forwards' queue is bounded)."""
+        ids, mask = self.kserve_decode(tensors, settings.max_batch_size)
+        kserve_check_outputs(header, ids.shape[0], ids.shape[1], self.vocab_size,
+                             settings.max_kserve_json_output_bytes)
+
+        async def run(deadline: float) -> InferResult:
+            arrived = time.perf_counter()
+            started: list[float] = []
+
+            def forward() -> np.ndarray:
+                started.append(time.perf_counter())
+                return self.backend.forward_stateless(ids, mask)
+
+            logits = await self.scheduler.run_exclusive(forward)
+            done = time.perf_counter()
+            return InferResult(logits.astype(np.float32, copy=False), started[0] - arrived, done - started[0])
+
+        return run
+
+    def kserve_decode(self, tensors: dict[str, np.ndarray], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The request's input_ids and attention_mask, checked (one stateless forward takes them)."""
+        extra = sorted(set(tensors) - {INPUT_IDS, ATTENTION_MASK})
+        if extra:
+            raise bad(f"unknown input(s) {', '.join(extra)} (model takes {INPUT_IDS}, {ATTENTION_MASK})")
+        ids = exact_input(tensors, INPUT_IDS, "INT64")
+        context, vocab = self.context_length, self.vocab_size
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise bad(f"input input_ids: shape {list(ids.shape)}, expected [n, T] with n, T >= 1")
+        if ids.shape[0] > max_batch:
+            raise bad(f"input input_ids: batch {ids.shape[0]} exceeds max_batch_size {max_batch}")
+        if ids.shape[1] > context:
+            raise bad(f"input input_ids: {ids.shape[1]} tokens exceed the context of {context}")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise bad(f"input input_ids: token ids must be in 0..{vocab - 1}")
+        if ATTENTION_MASK in tensors:
+            mask = exact_input(tensors, ATTENTION_MASK, "INT64")
+            if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+                raise bad("input attention_mask: must be 0/1 with the shape of input_ids")
+            if not mask[:, -1].all():
+                raise bad("input attention_mask: padding goes on the left (the last position must be real)")
+        else:
+            mask = np.ones_like(ids)
+        return np.ascontiguousarray(ids), np.ascontiguousarray(mask)
 
 
 def kserve_check_outputs(header: dict[str, Any], rows: int, tokens: int, vocab: int, max_json_bytes: int) -> None:
@@ -150,4 +206,4 @@ def kserve_check_outputs(header: dict[str, Any], rows: int, tokens: int, vocab: 
                       "or send fewer tokens")
 
 
-TASK = ServedTask(tasks.get(TEXT), TextBackend, validate, check_io, warm_up, TextRuntime, kserve_io, kserve_decode)
+TASK = ServedTask(tasks.get(TEXT), TextBackend, load)
