@@ -9,7 +9,7 @@
 # variables (MULTIMAX_SERVE_<OPTION>, docs/SERVICE.md) or arguments after the image name. docs/DEPLOY.md
 # ("A container image (CPU)") has the measured size, the build arguments and the CUDA/TensorRT variant.
 
-# Any Debian-based image with Python 3.10+ as `python3` and apt-get (tests/test_image.py builds one with
+# Any Debian-based image with Python 3.10+ as `python3` and apt-get (tests/deploy/test_image.py builds one with
 # mmdebstrap, since base images cannot be pulled there).
 ARG BASE=python:3.11-slim
 

@@ -114,7 +114,7 @@ class EditableWithCheckout(editable_wheel):
     search itself finds the regular packages, which win over namespace portions (as an installed wheel's do).
     The root's other names (benchmarks, tests) become importable too. `_select_strategy` is setuptools' hook
     (private, present since setuptools 64); were it renamed, the install would work as before, unfixed, and
-    tests/test_cwd_shadowing.py would say so.
+    tests/project/test_cwd_shadowing.py would say so.
     """
 
     def _select_strategy(self, name: str, tag: str, build_lib: Any) -> Any:

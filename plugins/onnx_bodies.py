@@ -164,7 +164,7 @@ class Body:
 
     def sigma_as_shipped(self, x: str, out: str) -> str:
         """The same sigma, node for node and name for name as MultiMax's bodies have always been written, so a
-        MultiMax model exports byte for byte as before the family (tests/test_reweighting_export.py); a body that
+        MultiMax model exports byte for byte as before the family (tests/export/test_reweighting_export.py); a body that
         uses it names every other node itself too (its names would meet the fresh t0, t1, ...)."""
         n = self.named
         self.attr("ranges", "ranges"), self.attr("ts", "ts")

@@ -1,5 +1,5 @@
 """Cases for the reweighting Triton kernels against the references (run under TRITON_INTERPRET=1 by
-tests/test_reweight_triton.py, or on a GPU): {case: {"diff", "tol", "finite"}}."""
+tests/plugins/test_reweight_triton.py, or on a GPU): {case: {"diff", "tol", "finite"}}."""
 
 from __future__ import annotations
 

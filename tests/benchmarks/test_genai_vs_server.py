@@ -16,8 +16,9 @@ pytest.importorskip("aiohttp")
 
 from benchmarks import genai_vs_server as bench  # noqa: E402
 from export.cli import main as export_main  # noqa: E402
+from tests.paths import ROOT  # noqa: E402
 
-DEMO_TEXT = Path(__file__).resolve().parents[1] / "models" / "demo" / "text_multimax.pt"
+DEMO_TEXT = ROOT / "models" / "demo" / "text_multimax.pt"
 
 
 @pytest.fixture(scope="module")

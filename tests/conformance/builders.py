@@ -1,7 +1,7 @@
 """The conformance matrix's models, made here from outside the project where one exists: Hugging Face folders by
 `transformers`' own `save_pretrained` (with the SegLU tensors PaddleFleet writes beside the weights), fairseq LMs
 trained by fairseq's own trainer (tests/fixtures/fairseq), DeiT checkpoints in the official and timm layouts
-(tests/test_deit.py's builders); the project's own byte-level GPT is the shipped demo. Small: seconds each."""
+(tests/models/test_deit.py's builders); the project's own byte-level GPT is the shipped demo. Small: seconds each."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ LABELS = [f"class-{i}" for i in range(DEIT["classes"])]
 
 def deit_state_dict(kind: Kind) -> dict[str, torch.Tensor]:
     """Weights in the official (or timm) key layout, MultiMax parameters from the paper's Table 7."""
-    from tests.test_deit import make_state_dict
+    from tests.models.test_deit import make_state_dict
 
     timm = kind.options["layout"] == "timm"
     # Random heads leave near-tied logits, which fp16 rounding can flip: an fp16 export is held to 99% top-1
@@ -125,7 +125,7 @@ def deit_state_dict(kind: Kind) -> dict[str, torch.Tensor]:
 def deit_checkpoint(kind: Kind, out: Path) -> Path:
     """The official / timm ones as DeiT's main.py saves them (`module.` prefix, its args naming heads and eps);
     the project's in its own format, written by the project's checkpoint code."""
-    from tests.test_deit import training_checkpoint
+    from tests.models.test_deit import training_checkpoint
 
     out.parent.mkdir(parents=True, exist_ok=True)
     sd = deit_state_dict(kind)

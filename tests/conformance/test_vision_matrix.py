@@ -1,5 +1,5 @@
 """Every vision cell of the conformance matrix: each DeiT kind through each artifact, classified as the paper's
-formulas over the raw weights classify it (tests/test_deit.py's reference_forward: no nn.Module of the project),
+formulas over the raw weights classify it (tests/models/test_deit.py's reference_forward: no nn.Module of the project),
 on an image preprocessed as timm/DeiT's evaluation transform does (resize the shorter side to 32/0.875, here
 the image's own size, then the center crop 32, ImageNet mean and std)."""
 
@@ -35,7 +35,7 @@ def _image(seed: int) -> tuple[bytes, np.ndarray]:
 
 
 def _reference(kind: Kind, x: np.ndarray) -> np.ndarray:
-    from tests.test_deit import reference_forward
+    from tests.models.test_deit import reference_forward
 
     with torch.no_grad():
         # V2: attention is t*x+b then first order, the output MultiMax first order (the official V2 commit)

@@ -1,4 +1,4 @@
-"""What the deployment tests (test_deploy_chart.py, test_deploy_monitoring.py) check deploy/ against: the
+"""What the deployment tests (test_chart.py, test_monitoring.py) check deploy/ against: the
 server's real routes, its real /metrics exposition after real requests, and PromQL parsed by a real parser."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from referencing import Registry, Resource
 from models.demo import DEMO_DIR
 from service.base.config import Settings
 from service.edge.app import create_app
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "multimax-serve"
 KUBE_VERSION = "1.30.0"  # the chart's kubeVersion floor
@@ -82,7 +82,7 @@ def _crd_validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
 
 def validate(doc: dict[str, Any]) -> None:
     """Raises if the resource does not match its schema: Kubernetes' own (strict) for built-in kinds, the subset
-    in tests/data/crds for the CRDs the chart renders."""
+    in tests/deploy/data/crds for the CRDs the chart renders."""
     crd = _crd_validators().get((doc["apiVersion"], doc["kind"]))
     if crd is not None:
         crd.validate(doc)

@@ -6,7 +6,7 @@ read by --api-key-file, the autoscaler's metric in the server's /metrics.
 
 Validation: built-in kinds against Kubernetes' OpenAPI schemas (kubernetes-validate, strict: unknown fields
 are errors); the ServiceMonitor and ServingRuntime CRDs against schema subsets written for these tests
-(tests/data/crds, each says what it covers), whose container and volume parts are Kubernetes' own schemas.
+(tests/deploy/data/crds, each says what it covers), whose container and volume parts are Kubernetes' own schemas.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ import helm_python
 import jsonschema
 import pytest
 import yaml
-from deploy_support import (
+
+from models.demo import DEMO_DIR
+from service.base.config import Settings, build_parser, load_settings
+from service.base.metrics import Metrics
+from tests.deploy.support import (
     CHART,
     DEPLOY,
     KUBE_VERSION,
@@ -34,10 +38,6 @@ from deploy_support import (
     selectors,
     validate,
 )
-
-from models.demo import DEMO_DIR
-from service.base.config import Settings, build_parser, load_settings
-from service.base.metrics import Metrics
 
 ADAPTER_VALUES = DEPLOY / "helm" / "prometheus-adapter-values.yaml"
 KEYS = ["k-0123456789abcdef", "k-fedcba9876543210"]

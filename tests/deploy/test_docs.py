@@ -4,7 +4,7 @@ its configuration snippets agree with the files and the server they describe.
 Each ```console block is preceded by `<!-- deploy-test: KIND -->`:
   run           its commands run as written (a `python -m service ... &` line starts the server on a free port,
                 and `localhost:8000` in the other commands points to it); their output must show what the page
-                shows (volatile numbers match any number, as in tests/test_readme.py);
+                shows (volatile numbers match any number, as in tests/project/test_readme.py);
   helm          `helm lint` / `helm template` carried out with Helm's own engine (helm-python-sdk), every
                 rendered resource schema-validated (no helm binary, no cluster);
   ray           starts Ray: each `python -m service.ray` / `serve run service.ray:build` is parsed by the Ray
@@ -29,7 +29,10 @@ import helm_python
 import pytest
 import tomllib
 import yaml
-from deploy_support import (
+
+from benchmarks.server import start, stop
+from service.edge.ray.options import argv_from_mapping, parse
+from tests.deploy.support import (
     ROOT,
     Exposition,
     check_query,
@@ -38,10 +41,7 @@ from deploy_support import (
     render,
     validate,
 )
-from test_readme import ANSI, matches, script
-
-from benchmarks.server import start, stop
-from service.edge.ray.options import argv_from_mapping, parse
+from tests.project.test_readme import ANSI, matches, script
 
 DOC = ROOT / "docs" / "DEPLOY.md"
 ADAPTER_VALUES = ROOT / "deploy" / "helm" / "prometheus-adapter-values.yaml"

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.server import free_port, stop, wait_ready
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LOCAL_WHEELS = Path("/opt/wheels")  # this machine's CPU torch wheel (PyTorch's CPU index is not reachable here)
 BASE_PACKAGES = "python3,python3-venv,python-is-python3,ca-certificates"
 LOCAL_CAS, PIP_CONF = Path("/usr/local/share/ca-certificates"), Path("/etc/pip.conf")

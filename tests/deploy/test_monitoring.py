@@ -17,7 +17,9 @@ import promql_parser
 import pytest
 import yaml
 from compose_spec import PyCompose
-from deploy_support import (
+
+from service.base.config import Settings, build_parser, load_settings
+from tests.deploy.support import (
     DEPLOY,
     ROOT,
     Exposition,
@@ -29,8 +31,6 @@ from deploy_support import (
     grafana_to_promql,
     selectors,
 )
-
-from service.base.config import Settings, build_parser, load_settings
 
 COMPOSE_DIR = DEPLOY / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"

@@ -2,7 +2,8 @@
 (export.hf_tokenizer.word_level_for_genai, a BPE form that onnxruntime-genai's tokenizer reads) encodes with the
 `tokenizers` library exactly as fairseq's dictionary does, and as the checkpoint's WordLevel tokenizer does: words
 split on whitespace, an unknown word (punctuation attached, a word made of known single characters, any script) one
-`<unk>`, `</s>` first. onnxruntime-genai's side is checked on exported folders in tests/test_genai_llm_export.py."""
+`<unk>`, `</s>` first. onnxruntime-genai's side is checked on exported folders in
+tests/export/test_genai_llm_export.py."""
 
 from __future__ import annotations
 

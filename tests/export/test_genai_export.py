@@ -21,9 +21,9 @@ from models.gpt import GPT, GPTConfig, set_paper_params
 from models.loading import load_exact
 from models.tokenizer import ByteTokenizer
 from plugins import ort_ops
+from tests.paths import ROOT
 
 og = pytest.importorskip("onnxruntime_genai")
-ROOT = Path(__file__).resolve().parents[1]
 DEMO_TEXT = ROOT / "models" / "demo" / "text_multimax.pt"
 DEMO_VISION = ROOT / "models" / "demo" / "digits_multimax.pt"
 

@@ -3,8 +3,8 @@ with a SegLU head, and of the paper's fairseq language models: onnxruntime-genai
 generates greedily what PyTorch generates (checked here independently of the export's own validation), the
 tokenizer files are the model's, --fp16 / --int4 report their deltas, and bad input leaves nothing behind.
 
-The Hugging Face folders are made with transformers as in tests/test_hf_folder.py (random weights, PaddleFleet's
-SegLU tensors with the paper's Table 8 values, a BPE tokenizer trained with `tokenizers`)."""
+The Hugging Face folders are made with transformers as in tests/models/hf_folder/reference.py (random weights,
+PaddleFleet's SegLU tensors with the paper's Table 8 values, a BPE tokenizer trained with `tokenizers`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 pytest.importorskip("transformers")
 og = pytest.importorskip("onnxruntime_genai")
 
-from test_hf_folder import arch_configs, make_folder, train_tokenizer  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from export.cli import main  # noqa: E402
@@ -32,8 +31,10 @@ from models.fairseq_dict import load_tokenizer  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.hf_folder import load_folder  # noqa: E402
 from plugins import ort_ops  # noqa: E402
+from tests.models.hf_folder.reference import arch_configs, make_folder, train_tokenizer  # noqa: E402
+from tests.paths import FIXTURES  # noqa: E402
 
-FAIRSEQ = Path(__file__).parent / "fixtures" / "fairseq"
+FAIRSEQ = FIXTURES / "fairseq"
 PROMPTS = ["The quick brown fox", "MultiMax reweights", "def add(a, b):"]
 
 

@@ -30,7 +30,7 @@ def test_grouped_query_checkpoint_exports_and_validates(
 
 def test_genai_folder_needs_a_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A project-format Llama checkpoint stores no tokenizer: the folder export (which must write one) refuses it
-    before writing anything; Hugging Face folders export (tests/test_genai_llm_export.py)."""
+    before writing anything; Hugging Face folders export (tests/export/test_genai_llm_export.py)."""
     assert models_main(["init", "llama-tiny", "-o", str(tmp_path / "l.pt")]) == 0
     capsys.readouterr()
     assert main([str(tmp_path / "l.pt"), "-o", str(tmp_path / "out"), "--quiet"]) == 2

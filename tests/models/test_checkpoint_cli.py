@@ -16,8 +16,7 @@ from models.cli import main
 from models.deit import DeiT, DeiTConfig
 from models.loading import CheckpointError
 from models.multimax import paper_params
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def run_cli(*args: str, module: str = "models") -> subprocess.CompletedProcess[str]:
@@ -194,7 +193,8 @@ def test_plot_sigma(tmp_path: Path) -> None:
 
 
 def test_readme_info_sample_is_the_real_output(capsys: pytest.CaptureFixture[str]) -> None:
-    """tests/test_readme.py accepts a sample that leaves lines out; this one must be the command's output exactly."""
+    """tests/project/test_readme.py accepts a sample that leaves lines out; this one must be the command's output
+    exactly."""
     command = "$ python -m models info models/demo/digits_multimax.pt"
     lines = (ROOT / "README.md").read_text().splitlines()
     start = lines.index(command) + 1

@@ -16,7 +16,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-from test_hf_folder import Reference  # noqa: E402
 
 from models.cli import main as models_main  # noqa: E402
 from models.generate import generate  # noqa: E402
@@ -24,6 +23,7 @@ from models.hf_folder import load_folder  # noqa: E402
 from models.training.cli import main as training_main  # noqa: E402
 from models.training.llm import SAMPLE_PROMPTS, save_llm, train_llm  # noqa: E402
 from models.training.text import stdlib_docstring_list  # noqa: E402
+from tests.models.hf_folder.reference import Reference  # noqa: E402
 
 TOL = 1e-4
 SHORT: dict[str, Any] = dict(steps=10, warmup=2, batch_size=4, seq_len=32, vocab_size=600, sample_tokens=4,

@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from models.training.drawn_digits import drawn_accuracy
 from models.training.fingerprint import training_fingerprint
 from models.training.text import _as_tensor, bits_per_byte, split_docs, stdlib_docstring_list, train_text
 from models.training.vision import accuracy, digits_8x8_split, digits_split, train_vision
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # 97% on every kind of input (350 of 360 held-out digits; README, Demo models).
 MIN_ACCURACY = 0.97
 # 95% on digits drawn in a paint program (950 of the 1000 drawings of models.training.drawn_digits).

@@ -25,8 +25,9 @@ from models.cli import main as models_main
 from models.fairseq_dict import load_tokenizer, read_dictionary
 from models.fairseq_lm import FairseqLM
 from models.loading import CheckpointError
+from tests import paths
 
-FIXTURES = Path(__file__).parent / "fixtures" / "fairseq"
+FIXTURES = paths.FIXTURES / "fairseq"
 NAMES = ("postnorm_tied", "prenorm_untied", "namespace_args", "dictconfig", "gpt2_bpe")
 TOLERANCE = 1e-4
 
@@ -260,8 +261,8 @@ def test_export_cli_validates_a_fairseq_lm(tmp_path: Path) -> None:
 
     entry = load_model("lm", "onnxruntime", {"onnxruntime": out}, Settings(model_dir=tmp_path))
     try:
-        assert entry.byte_tokenizer is not None and entry.byte_tokenizer.type == "hf-tokenizers"
-        assert entry.byte_tokenizer.encode("the cat") == [2, 7, 28]
+        assert entry.tokenizer is not None and entry.tokenizer.type == "hf-tokenizers"
+        assert entry.tokenizer.encode("the cat") == [2, 7, 28]
     finally:
         entry.backend.close()
 

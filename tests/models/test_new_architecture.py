@@ -73,6 +73,9 @@ class TinyLayer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
+    keeps_last_logits = False  # the text-model capabilities (models.registry.TextModel)
+    grows_cache_in_place = False
+
     def __init__(self, config: TinyConfig) -> None:
         super().__init__()
         self.config = config

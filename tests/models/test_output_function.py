@@ -189,7 +189,7 @@ def test_served_generator_samples_and_reports_logprobs_of_its_distribution(serve
 
     from service.base.config import Settings
     from service.edge.app import create_app
-    from tests.test_service import started
+    from tests.service.support import started
 
     async def main() -> tuple[httpx.Response, httpx.Response, list[str]]:
         async with started(create_app(Settings(model_dir=served))) as client:

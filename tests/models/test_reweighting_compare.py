@@ -13,6 +13,7 @@ pytest.importorskip("sklearn")  # the train extra
 
 from models.checkpoint import load
 from models.training.cli import main
+from tests.paths import ROOT
 
 
 def test_compare_writes_resumable_results_and_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,7 +56,7 @@ def test_results_of_the_recipe_before_drawn_digits_are_not_mixed_with_the_curren
     so neither may stand in for the other, and a run of the current recipe never resumes into that file."""
     from models.training import compare as cmp
 
-    tracked = json.loads((Path(__file__).resolve().parents[1] / "docs/reweighting_results.json").read_text())
+    tracked = json.loads((ROOT / "docs/reweighting_results.json").read_text())
     assert tracked["recipe"]["drawn_per_batch"] == 0
     now = cmp._recipe(None, 0)
     assert now["drawn_per_batch"] == 24 and not cmp._same_budget(tracked, now)

@@ -3,7 +3,7 @@
 Each layer is checked to cover exactly the registry's members and op types, on the CPU: the contract and the models'
 table, the references, the ONNX function bodies (inlined by onnxruntime), the onnxruntime custom ops (forcing each
 ISA path), the PyTorch custom op, the ahead-of-time kernel specs and the TensorRT plugin registration (against the
-stand-in for `tensorrt.plugin` of tests/test_reweight_triton.py, compiling the real kernels for sm_80).
+stand-in for `tensorrt.plugin` of tests/plugins/test_reweight_triton.py, compiling the real kernels for sm_80).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from plugins.onnx_functions import function_protos
 from plugins.ort_ops.graphs import op_model, reweighting_model
 from plugins.reference import reference
 from plugins.reweight_kernel_cases import ATTRS
-from tests.test_plugins import _child, needs_triton
-from tests.test_reweight_triton import FAKE_TRT
+from tests.plugins.test_plugins import _child, needs_triton
+from tests.plugins.test_reweight_triton import FAKE_TRT
 
 RANGES, TS = paper_params(3)
 OPS = family.op_types()
@@ -212,7 +212,7 @@ def test_tensorrt_spec_args_read_every_members_attributes() -> None:
     assert spec_args("TopKSoftMax", {"k": np.int32([3])}, [2, 197]) == {"k": 3}
 
 
-# The stand-in script of tests/test_reweight_triton.py, over MultiMax's three ops: the same registration loop.
+# The stand-in script of tests/plugins/test_reweight_triton.py, over MultiMax's three ops: the same registration loop.
 MULTIMAX_TRT = (
     FAKE_TRT.replace("for op in trt_plugin.REWEIGHTING_PLUGIN_OPS:", "for op in trt_plugin.PLUGIN_OPS:")
     .replace('inputs = [x] if op.endswith("NoMask")', 'inputs = [x] if op != "MultiMax"')

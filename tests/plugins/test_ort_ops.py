@@ -260,7 +260,7 @@ def test_service_backend_says_whether_the_fused_op_is_in_use(lib: ort_ops.Librar
     assert backend.describe()["fused_multimax"] == {
         "in_use": True, "source": lib.source, "kernel_path": lib.kernel_paths[0]
     }  # fmt: skip
-    # a checkout has no prebuilt library (a wheel's: tests/test_wheel.py)
+    # a checkout has no prebuilt library (a wheel's: tests/project/test_wheel.py)
     assert lib.source == ("MULTIMAX_ORT_OPS_LIB" if os.environ.get("MULTIMAX_ORT_OPS_LIB") else "built on first use")
     twin = OnnxRuntimeBackend(DEMO_DIR / VISION_SOFTMAX.replace(".pt", ".onnx"))
     assert twin.describe()["fused_multimax"] == {"in_use": False, "reason": "the model has no multimax nodes"}

@@ -23,7 +23,7 @@ from models.onnx_contract import REWEIGHTING_OPS
 from plugins import ort_ops
 from plugins.ort_ops.graphs import reweighting_model, reweighting_scores_model
 from plugins.reweight_kernel_cases import ATTRS
-from tests.test_ort_ops import session
+from tests.plugins.test_ort_ops import session
 
 MIN = float(np.finfo(np.float32).min)
 HEADS = 3

@@ -24,8 +24,8 @@ from onnx import TensorProto, helper
 
 from models.multimax import paper_params
 from plugins.reference import reference_multimax, reference_sigma
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 7, 197, 1024, 4099)
 TOL = {"fp32": 1e-6, "fp16": 1e-3}
 HAS_CUDA = torch.cuda.is_available()

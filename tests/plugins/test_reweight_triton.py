@@ -2,8 +2,8 @@
 PyTorch references (models.reweighting): every function, row lengths across the tile widths, the contract's masking
 edge rows (fully masked, one left, soft biases), ties, large magnitudes, per-head parameters, fp16.
 
-Like tests/test_plugins.py, the kernels run in one child process with TRITON_INTERPRET=1 (a process either compiles
-or interprets `@triton.jit` functions)."""
+Like tests/plugins/test_plugins.py, the kernels run in one child process with TRITON_INTERPRET=1 (a process either
+compiles or interprets `@triton.jit` functions)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from plugins.reweight_kernel_cases import CASES
-from tests.test_plugins import _child, needs_triton
+from tests.plugins.test_plugins import _child, needs_triton
 
 SCRIPT = r"""
 import json

@@ -13,8 +13,7 @@ import pytest
 
 from models import onnx_contract as contract
 from models import registry, spec
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def test_contract_imports_no_torch() -> None:
@@ -257,7 +256,7 @@ def test_the_shipped_demo_files_predate_the_spec_and_serve_through_the_compatibi
     assert past[contract.past_names(1)[0][0]][1:4:2] == [text.kv_heads[0], text.head_size]
 
 
-# ---- the task table: one row per task, each layer's part found from it -------------------------------------------
+# ---- the task table: one row per task, each layer's part keyed by it -----------------------------------------------
 
 
 def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
@@ -268,10 +267,9 @@ def test_every_task_has_one_row_and_its_parts_are_found_from_it() -> None:
 
     assert {registry.task_of(a) for a in registry.names()} <= set(tasks.TASKS) == set(EXPORT_TASKS) == set(SERVED)
     for task, row in tasks.TASKS.items():
-        assert row.task == task and isinstance(row.part("export"), ExportTask) and row.part("export") is \
-            EXPORT_TASKS[task]
-        part = row.part("serve")
-        assert isinstance(part, ServedTask) and part is served(task) and part.info is row
+        assert row.task == task and isinstance(EXPORT_TASKS[task], ExportTask)
+        part = served(task)
+        assert isinstance(part, ServedTask) and part is SERVED[task] and part.info is row
         assert part.name == row.name and part.endpoints == row.endpoints and part.metadata == row.metadata
     assert tasks.get("text").name == "text-generation" and tasks.get("vision").spec is spec.VisionSpec
     with pytest.raises(KeyError, match="known: vision, text"):

@@ -20,8 +20,8 @@ import pytest
 from benchmarks.server import free_port, start, stop
 from models.console import BROKEN_PIPE_EXIT, run
 from models.demo import DEMO_DIR, VISION_MULTIMAX
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # every package whose __main__.py files are entry points the project documents
 ENTRY_PACKAGES = ("models", "export", "plugins", "service", "benchmarks/loadtest")
 

@@ -9,7 +9,7 @@ so the working directory's `models/` won and `python -m service` failed (`models
 editable install now puts the checkout on sys.path too.
 
 Each install is a fresh virtual environment (the project installed with --no-deps, its dependencies from this
-interpreter's site-packages through a .pth line, as in tests/test_wheel.py), so setup.py as it is now is what is
+interpreter's site-packages through a .pth line, as in tests/project/test_wheel.py), so setup.py as it is now is what is
 tested; the environment running the tests is checked too, where its editable install is this setup.py's.
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 COMMANDS = ("service", "export", "models", "plugins.ort_ops", "service.ray")
 CHECKOUT_PTH = "__editable__.multimax_serve-*.checkout.pth"  # what setup.py's editable install adds
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 PRODUCT = ("models", "export", "plugins", "service")
 TOOLS = ("benchmarks", "models.training")  # the load tester is benchmarks.loadtest
 # What only the extras install (pyproject.toml): train, loadtest, gpu.

@@ -12,7 +12,7 @@ starts the server (`python -m service`) gets it on a free port, and its `localho
 A block preceded by `<!-- readme-test: slow -->` is marked slow; one preceded by
 `<!-- readme-test: not run: REASON -->` is reported as skipped with REASON, which must name the test that runs
 its commands instead (Ray binds to the machine's interface, so its commands run only inside a loopback-only
-network namespace, in tests/test_ray_serve.py).
+network namespace, in tests/service/ray/test_ray_serve.py).
 
 Output matching: each line the README shows must appear, in order, among the lines the command printed.
 Durations (`7.3 s`, `7.39 ms/image`), numbers in scientific notation or with six or more decimals
@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.server import free_port, stop, wait_ready
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SLOW_MARK = "<!-- readme-test: slow -->"
 NOT_RUN_MARK = re.compile(r"<!-- readme-test: not run: (?P<reason>.+) -->")
@@ -174,7 +174,8 @@ def test_the_readme_has_console_blocks_and_the_parser_reads_them() -> None:
     # it runs instead.
     for block in BLOCKS:
         if any(STARTS_RAY.search(c.text) for c in block.commands):
-            assert block.not_run and "tests/test_ray_serve.py" in block.not_run, f"{block.id} would start Ray"
+            assert block.not_run and "tests/service/ray/test_ray_serve.py" in block.not_run, \
+                f"{block.id} would start Ray"
 
 
 @pytest.mark.parametrize(

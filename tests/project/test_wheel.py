@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.server import start, stop
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LIB = "plugins/ort_ops/lib/libmultimax_ort_ops.api"
 
 

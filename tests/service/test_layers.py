@@ -24,8 +24,8 @@ from pathlib import Path
 
 from service.engine.engine_errors import Cancelled, DeadlineExceeded, ModelFailed, QueueFull, ShuttingDown, TooLarge
 from service.protocols.engine_status import http_error
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("base", "engine", "protocols", "edge")
 # the only modules outside the layer packages, and their layers
 TOP = {"service": "base", "service.__main__": "edge", "service.ray": "edge", "service.ray.__main__": "edge"}

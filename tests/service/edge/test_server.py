@@ -8,7 +8,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,8 +30,6 @@ from benchmarks.server import in_thread, start, stop
 from models.demo import DEMO_DIR
 from service.base.config import Settings
 from service.edge.app import create_app
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from service.edge.app import create_app
 from service.engine.registry import load_version, scan
 from service.engine.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
 from service.protocols import control
-from tests.test_service import started
+from tests.service.support import started
 
 PIXELS = np.random.default_rng(0).uniform(-1, 1, (2, 1, 32, 32)).astype(np.float32)
 INFER = {"inputs": [{"name": "pixel_values", "shape": list(PIXELS.shape), "datatype": "FP32",

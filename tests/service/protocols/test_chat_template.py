@@ -1,5 +1,5 @@
-"""The server's chat-template rendering equals transformers' apply_chat_template, and incremental detokenization
-never cuts a character and never lets a stop string out (service.protocols.chat_template, service.engine.text.detokenizer,
+"""The server's chat-template rendering equals transformers' apply_chat_template, and incremental detokenization never
+cuts a character and never lets a stop string out (service.protocols.chat_template, service.engine.text.detokenizer,
 models.hf_text)."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_hf_folder import train_tokenizer
+    from tests.models.hf_folder.reference import train_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     train_tokenizer(out)

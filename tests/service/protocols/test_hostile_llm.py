@@ -15,7 +15,6 @@ import json
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,6 +33,7 @@ from service.edge.app import create_app
 from service.protocols import grammar_limits, grammar_worker, request_text, structured
 from service.protocols.grammar_guard import GrammarGuard, GrammarWorkerFailed
 from service.protocols.grammar_worker import GrammarJob, GrammarRefused
+from tests.paths import ROOT
 
 LLAMA, GPT = "llama_seglu", "text_multimax"
 MODELS = ("--models", f"{LLAMA},{GPT}", "--warmup-calls", "0")
@@ -388,5 +388,5 @@ def test_the_worker_module_imports_no_model_code() -> None:
     code = "import sys, service.protocols.grammar_worker; print(sorted(m for m in ('torch', 'starlette', " \
            "'models', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+                         cwd=ROOT)
     assert out.stdout.strip() == "[]"

@@ -35,8 +35,8 @@ from service.base.metrics import Metrics
 from service.edge.app import create_app
 from service.edge.ray.metrics import MetricsHub, snapshot
 from service.edge.ray.options import argv_from_mapping, parse
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # a local Ray start is 15-20 s on 2 idle cores; replicas load their models after
 
 

@@ -184,3 +184,54 @@ def test_prompts_sharing_a_start_reuse_its_cache_and_generate_what_they_would_wi
                for name in ("queries", "hits", "hit_tokens")}
     assert counted == {"queries": 4, "hits": 3, "hit_tokens": 9 * BLOCK}  # the first prompt's lookup missed
     assert with_cache.metrics.registry.get_sample_value("multimax_prefix_cache_bytes", {"model": "text"}) > 0
+
+
+# ---- through the server, on a model transformers wrote ---------------------------------------------------------
+
+
+def test_chats_sharing_a_system_prompt_hit_the_cache_and_answer_as_without_it(tmp_path: Path) -> None:
+    """A Llama written by transformers' save_pretrained (the demo LLM's tokenizer and chat template), served as a
+    folder twice: --prefix-cache-mb 0 and the default. Chats with one long system prompt and different questions
+    get the same greedy answers and logprobs from both; the default server counts hits in /metrics."""
+    import shutil
+
+    import transformers
+    from fastapi.testclient import TestClient
+
+    from service.edge.app import create_app
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      eos_token_id=0, pad_token_id=0, bos_token_id=None, tie_word_embeddings=True)
+    folder = tmp_path / "models" / "hf_llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "llama_seglu" / name, folder / name)
+    system = "You answer questions about the weather in the north, briefly and politely, in plain words. " * 2
+    questions = ["Will it rain today?", "Is it cold in the hills?", "What about the wind tonight?"]
+
+    def answers(megabytes: float) -> tuple[list[dict[str, Any]], str]:
+        app = create_app(Settings(model_dir=tmp_path / "models", models=("hf_llama",), intra_op_threads=1,
+                                  warmup_calls=0, prefix_cache_mb=megabytes))
+        out = []
+        with TestClient(app) as client:
+            for q in questions:
+                r = client.post("/v1/chat/completions", json={
+                    "model": "hf_llama", "max_tokens": 8, "temperature": 0, "logprobs": True,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0])
+            metrics = client.get("/metrics").text
+        return out, metrics
+
+    cached, metrics = answers(256)
+    plain, plain_metrics = answers(0)
+    for a, b in zip(cached, plain, strict=True):
+        assert a["message"]["content"] == b["message"]["content"]
+        got = [t["logprob"] for t in a["logprobs"]["content"]]
+        want = [t["logprob"] for t in b["logprobs"]["content"]]
+        assert np.allclose(got, want, atol=1e-4 * max(1.0, *map(abs, want)))
+    assert 'multimax_prefix_cache_hits_total{model="hf_llama"} 2.0' in metrics  # the 2nd and 3rd chats
+    assert 'multimax_prefix_cache_hits_total{model="hf_llama"}' not in plain_metrics or \
+        'multimax_prefix_cache_hits_total{model="hf_llama"} 0.0' in plain_metrics

@@ -1,8 +1,7 @@
-"""The batched sampler (service.engine.text.sampler): penalties, logit_bias and processors against direct computations on
-known
-logits, greedy exactness, seeded rows that do not depend on their batch-mates, the distribution drawn from, one
-row's failure staying its own; then the request fields over HTTP (400 naming the field) and a processor in the
-real decode loop."""
+"""The batched sampler (service.engine.text.sampler): penalties, logit_bias and processors against direct computations
+on known logits, greedy exactness, seeded rows that do not depend on their batch-mates, the distribution drawn from, one
+row's failure staying its own; then the request fields over HTTP (400 naming the field) and a processor in the real
+decode loop."""
 
 from __future__ import annotations
 
