@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     app.include_router(openai_api.router)
     app.include_router(chat_api.router)
     app.include_router(responses_api.router)
+    app.state.responses = responses_api.ResponseStore()  # /v1/responses' kept responses (store, previous_response_id)
     app.include_router(tokenize_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)

@@ -382,10 +382,8 @@ class ResponseStore:
 
 
 def store_of(app: Any) -> ResponseStore:
-    """The app's store of kept responses (made on first use)."""
-    store = getattr(app.state, "responses", None)
-    if store is None:
-        store = app.state.responses = ResponseStore()
+    """The app's store of kept responses (service.edge.app.create_app makes it)."""
+    store: ResponseStore = app.state.responses
     return store
 
 

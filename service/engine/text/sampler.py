@@ -114,7 +114,8 @@ def _apply_processors(logits: torch.Tensor, rows: Sequence[SamplerRow], errors: 
             for processor in row.params.processors:
                 out = processor(list(row.output_ids), out)
                 if not isinstance(out, torch.Tensor) or out.shape != logits[i].shape:
-                    raise ValueError(f"a logits processor returned {getattr(out, 'shape', type(out).__name__)}, "
+                    raise ValueError(f"a logits processor returned "
+                                     f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}, "
                                      f"not logits of shape {tuple(logits[i].shape)}")
             out = out.to(logits.dtype)
             if bool(torch.isnan(out).any() | (out == float("inf")).any()) or not bool(torch.isfinite(out).any()):
