@@ -1,5 +1,6 @@
 """Helpers shared by the service's in-process tests: images as a client uploads them, the app's workers run in
-the test's event loop, a deliberately slow vision model, an error body's `error` object."""
+the test's event loop, a deliberately slow vision model, an error body's `error` object, and text backends wrapped
+to misbehave on cue (`Wrapped`, `Steered`)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,52 @@ def _png_bytes(size: int = 32, value: int = 0) -> bytes:
     buf = io.BytesIO()
     Image.new("L", (size, size), value).save(buf, "PNG")
     return buf.getvalue()
+
+
+# ---- text backends that misbehave on cue ------------------------------------------------------------------------
+
+
+class Wrapped:
+    """A text backend as the decode loop sees it (service.engine.backends.base.CachedDecoder), every call passed to
+    `inner`: subclasses change `run_text`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.keeps_last_logits, self.cache = inner.keeps_last_logits, inner.cache
+
+    def empty_past(self, batch: int) -> Any:
+        return self.inner.empty_past(batch)
+
+    def reserve(self, positions: int) -> None:
+        self.inner.reserve(positions)
+
+    def host_logits(self, logits: Any) -> Any:
+        return self.inner.host_logits(logits)
+
+    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
+                 last_only: bool = False) -> Any:
+        return self.inner.run_text(ids, mask, positions, past, last_only)
+
+
+class Steered(Wrapped):
+    """The model, except: at a position in `script` the logits make that token the greedy choice; at a position in
+    `nan_at` the row's logits are NaN (its numbers went bad). Logits are torch tensors (a folder's PyTorch model)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.script: dict[int, int] = {}
+        self.nan_at: set[int] = set()
+
+    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
+                 last_only: bool = False) -> Any:
+        logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)
+        if not self.script and not self.nan_at:
+            return logits, presents
+        logits = logits.clone()
+        for row, pos in enumerate(positions[:, -1].tolist()):
+            if pos in self.script:
+                logits[row, -1] = -1e4
+                logits[row, -1, self.script[pos]] = 1e4
+            if pos in self.nan_at:
+                logits[row, -1] = float("nan")
+        return logits, presents

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -30,6 +29,7 @@ from models.generate import generate  # noqa: E402
 from models.hf_folder import load_folder  # noqa: E402
 from service.base.config import Settings  # noqa: E402
 from service.edge.app import create_app  # noqa: E402
+from tests.service.support import Steered  # noqa: E402
 
 CHAT = "qwen3-chat"
 STRICT = "strict-chat"  # its template refuses roles that do not alternate (raise_exception)
@@ -332,38 +332,6 @@ def test_completions_use_the_folders_tokenizer(client: Any, reference: tuple[Any
 
 
 # ---- scripted and faulty models in this process (uvicorn on a real socket) ------------------------------------
-
-
-class Steered:
-    """The folder's model, except: at a position in `script` the logits make that token the greedy choice; at a
-    position in `nan_at` the row's logits are NaN (its numbers went bad)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.script: dict[int, int] = {}
-        self.nan_at: set[int] = set()
-        self.keeps_last_logits, self.cache = inner.keeps_last_logits, inner.cache
-
-    def empty_past(self, batch: int) -> Any:
-        return self.inner.empty_past(batch)
-
-    def reserve(self, positions: int) -> None:
-        self.inner.reserve(positions)
-
-    def host_logits(self, logits: Any) -> Any:
-        return self.inner.host_logits(logits)
-
-    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
-                 last_only: bool = False) -> Any:
-        logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)
-        logits = logits.clone()
-        for row, pos in enumerate(positions[:, -1].tolist()):
-            if pos in self.script:
-                logits[row, -1] = -1e4
-                logits[row, -1, self.script[pos]] = 1e4
-            if pos in self.nan_at:
-                logits[row, -1] = float("nan")
-        return logits, presents
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 
 from benchmarks.server import in_thread
 from service.base.config import Settings
 from service.edge.app import create_app
 from service.protocols.responses_api import ResponseStore
+from tests.service.support import Steered
 
 openai = pytest.importorskip("openai")
 
@@ -30,40 +30,6 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "m
                                                    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
 WEATHER = {"type": "function", "name": "weather", "parameters": WEATHER_SCHEMA}  # small: the context is 256
 ASK = "Weather in Paris?"
-
-
-class Steered:
-    """The model, except: at a position in `script` the logits make that token the greedy choice; at a position in
-    `nan_at` the row's logits are NaN."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.script: dict[int, int] = {}
-        self.nan_at: set[int] = set()
-        self.keeps_last_logits, self.cache = inner.keeps_last_logits, inner.cache
-
-    def empty_past(self, batch: int) -> Any:
-        return self.inner.empty_past(batch)
-
-    def reserve(self, positions: int) -> None:
-        self.inner.reserve(positions)
-
-    def host_logits(self, logits: Any) -> Any:
-        return self.inner.host_logits(logits)
-
-    def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
-                 last_only: bool = False) -> Any:
-        logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)
-        if not self.script and not self.nan_at:
-            return logits, presents
-        logits = logits.clone()
-        for row, pos in enumerate(positions[:, -1].tolist()):
-            if pos in self.script:
-                logits[row, -1] = -1e4
-                logits[row, -1, self.script[pos]] = 1e4
-            if pos in self.nan_at:
-                logits[row, -1] = float("nan")
-        return logits, presents
 
 
 @pytest.fixture(scope="module")

@@ -23,29 +23,20 @@ from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 from service.engine.text.sampler import SamplingParams
 from service.engine.text.scheduler import GenSequence, TextScheduler
 from service.protocols.engine_status import http_error
+from tests.service.support import Wrapped
 
 TOK = ByteTokenizer()
 POISON = ord("~")  # a prompt holding this byte breaks the prefill it is in
 
 
-class FaultyText:
+class FaultyText(Wrapped):
     """The demo text model, except: a prefill whose real tokens include POISON raises; a step that feeds any
     row at position `raise_at` raises; rows at position `nan_at` get NaN logits (their numbers go bad)."""
 
     def __init__(self, raise_at: int | None = None, nan_at: int | None = None) -> None:
-        self.inner = OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx")
+        super().__init__(OnnxRuntimeBackend(DEMO_DIR / "text_multimax.onnx"))
         self.raise_at, self.nan_at = raise_at, nan_at
         self.calls: list[int] = []  # batch size of every call
-        self.keeps_last_logits, self.cache = self.inner.keeps_last_logits, self.inner.cache
-
-    def empty_past(self, batch: int) -> Any:
-        return self.inner.empty_past(batch)
-
-    def reserve(self, positions: int) -> None:
-        self.inner.reserve(positions)
-
-    def host_logits(self, logits: Any) -> Any:
-        return self.inner.host_logits(logits)
 
     def run_text(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Any,
                  last_only: bool = False) -> Any:
