@@ -102,7 +102,8 @@ class OrtTextBackend(_OrtBackend, TextBackend):
                  fused_multimax: dict[str, Any] | None) -> None:
         super().__init__(path, session, metadata, fused_multimax)
         spec = architectures.read_spec(metadata)
-        assert isinstance(spec, TextSpec)
+        if not isinstance(spec, TextSpec):  # the loader picks this class for text descriptions only
+            raise BackendUnavailable(f"{path.name}: its description is not a text model's")
         self.spec = spec
         self.n_layer = spec.layers
         self.past_names = past_names(self.n_layer)

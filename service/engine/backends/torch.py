@@ -108,7 +108,8 @@ class _TorchBackend(Backend):
 class TorchVisionBackend(_TorchBackend, VisionBackend):
     def _warm_up(self) -> None:
         spec = self.checkpoint.spec()
-        assert isinstance(spec, VisionSpec)
+        if not isinstance(spec, VisionSpec):  # TorchBackend picks this class for vision checkpoints only
+            raise BackendUnavailable(f"{self.path.name}: not a vision checkpoint")
         c, size = spec.channels, spec.image_size
         for batch in (1, 2):
             self.run_vision(np.zeros((batch, c, size, size), np.float32))

@@ -46,11 +46,6 @@ class GenSequence:
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def time_to(self, event: str) -> float | None:
-        """When `event` ("started", "first_token", "last_token", "finished") happened, if it has."""
-        return {"started": self.started, "first_token": self.first_token, "last_token": self.last_token,
-                "finished": self.finished}[event]
-
 
 def groups(seqs: list[GenSequence]) -> list[list[GenSequence]]:
     """The sequences in runs of one prompt each (the choices of a group are admitted next to each other)."""
