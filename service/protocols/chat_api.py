@@ -238,7 +238,7 @@ async def chat_completions(request: Request) -> Response:
         rt = call.runtime(req.model, TextRuntime)
         unsupported_fields(req)
         plan = tools.read_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template=chat_template(rt))
-        tools.refuse_conflicts(plan, dict(req))
+        plan = tools.refuse_conflicts(plan, dict(req))
         if plan is not None:  # measured before they are rendered (linear scans; long ones on a thread)
             await prompt_encoding.run(len(str(req.tools)), tools.check_schemas, plan,
                                       GrammarLimits.from_settings(settings))

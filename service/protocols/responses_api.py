@@ -422,7 +422,7 @@ async def create_response(request: Request) -> Response:
         options = sampling_options(req, fmt)
         try:
             plan = tool_plan(req, rt)
-            tools.refuse_conflicts(plan, options.structured)
+            plan = tools.refuse_conflicts(plan, options.structured)
             with phase("tokenize"):
                 prompt = await prompt_encoding.run(_size(messages) + len(str(req.tools or "")), chat_prompt, rt,
                                                    chat, plan)

@@ -105,11 +105,13 @@ def grammar_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def call_grammar(functions: Sequence[tuple[str, Mapping[str, Any]]], syntax: CallSyntax, *, required: bool,
-                 parallel: bool, trigger_token: int | None = None, free_arguments: bool = False) -> str:
+                 parallel: bool, trigger_token: int | None = None, free_arguments: bool = False,
+                 reply_schema: Mapping[str, Any] | None = None) -> str:
     """The Lark grammar of a reply that may (or, `required`, must) call one of `functions` ((name, parameters
     schema)); several calls only when `parallel`. `trigger_token`: the id of the special token that is the
     syntax's trigger, when it is one. `free_arguments` (benchmarks only): a call's opening up to its arguments
-    is the grammar's, everything after it free text."""
+    is the grammar's, everything after it free text. `reply_schema`: a reply that calls nothing is a JSON value
+    of that schema (then the grammar holds from the first token: JSON or the calls' opening)."""
     lines = ["%llguidance {}"]
     for i, (name, schema) in enumerate(functions):
         head = '{"name": ' + json.dumps(name) + f', "{syntax.args_key}": '
@@ -127,6 +129,10 @@ def call_grammar(functions: Sequence[tuple[str, Mapping[str, Any]]], syntax: Cal
     trigger = f"<[{trigger_token}]>" if trigger_token is not None else _lit(syntax.trigger)
     if required:
         lines.append(f"start: {trigger} calls")
+    elif reply_schema is not None:
+        lines.append("reply: %json " + json.dumps(grammar_schema(reply_schema)))
+        lines.append(f"start: reply | {trigger} calls" if syntax.trigger or trigger_token is not None
+                     else "start: reply | calls")
     elif syntax.trigger:
         # free text that never holds the trigger, or free text up to the first trigger, then calls
         lines.append(f"FREE: /(?s:.*)/ & ~/(?s:.*){_regex_literal(syntax.trigger)}(?s:.*)/")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class ToolPlan:
     parallel: bool
     syntax: CallSyntax
     native: bool
+    # the JSON schema a reply that calls nothing must follow (response_format json_schema / json_object beside
+    # tools that may be called, as an agent with an output type sends them); None: free text
+    reply_schema: Mapping[str, Any] | None = None
 
     @property
     def calls(self) -> bool:
@@ -218,18 +222,40 @@ def read_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, *, templa
     return ToolPlan(functions, choice, forced, parallel_tool_calls is not False, syntax, native)
 
 
-def refuse_conflicts(plan: ToolPlan | None, fields: Mapping[str, Any]) -> None:
-    """400 for a body field that cannot go with tools that may be called: structured output (one grammar
-    decides the reply), ignore_eos and min_tokens (the grammar decides where it ends)."""
+def refuse_conflicts(plan: ToolPlan | None, fields: Mapping[str, Any]) -> ToolPlan | None:
+    """The plan with the body's other constraints folded in, or a 400 for those that cannot go with tools that may
+    be called. `response_format` (json_schema, json_object) becomes the schema of a reply that calls nothing, in
+    the same grammar (OpenAI takes both: an agent with an output type and tools sends them); with tool_choice
+    "required" or a named function the reply is calls, and it has no effect. The other structured-output fields
+    (one grammar decides the reply), ignore_eos and min_tokens (the grammar decides where it ends) are refused."""
     if plan is None or not plan.calls:
-        return
+        return plan
     used = structured.requested(fields)
+    reply_schema = None
+    if used == ["response_format"]:
+        reply_schema = _reply_schema(fields["response_format"])
+        used = []
     if fields.get("guided_whitespace_pattern") is not None:
         used.append("guided_whitespace_pattern")
     used += [f for f in ("ignore_eos", "min_tokens") if fields.get(f)]
     if used:
         raise bad_request(f"{used[0]} cannot be combined with tools (tool_choice {plan.choice!r}): the tool-call "
                           "grammar decides the reply", used[0], code="conflicting_parameters")
+    return dataclasses.replace(plan, reply_schema=reply_schema) if reply_schema is not None else plan
+
+
+def _reply_schema(value: Any) -> Mapping[str, Any] | None:
+    """response_format's schema (checked as structured output checks it), None for {"type": "text"}."""
+    structured.grammar_job({"response_format": value})  # the same 400s as without tools
+    if value.get("type") == "json_object":
+        return {"type": "object"}
+    if value.get("type") == "json_schema":
+        schema = value["json_schema"]["schema"]
+        if not isinstance(schema, Mapping):
+            raise bad_request("response_format.json_schema.schema must be an object",
+                              "response_format.json_schema.schema")
+        return schema
+    return None
 
 
 # ---- the conversation -------------------------------------------------------------------------------------------
@@ -346,7 +372,8 @@ def grammar_job(plan: ToolPlan, tokenizer: TextTokenizer,
     functions = plan.callable()
     source = call_grammar([(f.name, f.parameters) for f in functions], plan.syntax, required=plan.required,
                           parallel=plan.parallel and plan.choice != "function",
-                          trigger_token=trigger_token(tokenizer, plan.syntax), free_arguments=_free_arguments)
+                          trigger_token=trigger_token(tokenizer, plan.syntax), free_arguments=_free_arguments,
+                          reply_schema=None if plan.required else plan.reply_schema)
     grammar_limits.check_size(source, "tools", limits)
     return GrammarJob("tools", "lark", source)
 

@@ -388,8 +388,6 @@ def test_tool_choice_none_writes_the_tools_and_calls_nothing(client: Any) -> Non
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice.name",
      "invalid_value"),
     ({"tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
-    ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, 400, "text.format",
-     "conflicting_parameters"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id", "response_not_found"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name", "invalid_value"),
     ({"text": {"format": {"type": "json_schema", "name": "a"}}}, 400, "text.format.schema", "invalid_value"),
