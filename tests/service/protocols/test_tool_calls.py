@@ -312,7 +312,7 @@ HOSTILE = {"$ref": "#/$defs/d0", "$defs": {**{f"d{i}": {"anyOf": [{"$ref": f"#/$
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "only function tools"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": None, "parallel_tool_calls": False}, "parallel_tool_calls", "only allowed with tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "cannot be combined with tools"),
+    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice", "cannot be combined with tools"),
     ({"extra_body": {"min_tokens": 3}}, "min_tokens", "cannot be combined with tools"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "5"}]}, "messages.1.tool_call_id",
      "no earlier assistant message"),
