@@ -48,7 +48,7 @@ class Batch:
     def join(self, rows: list[Row], past: Past, mask: np.ndarray, source: list[int]) -> None:
         """Prefilled rows join: row i's cache is row source[i] of `past` (choices of one prompt share its row)."""
         cache = self.backend.cache
-        if len(set(source)) < len(rows) or source != list(range(len(source))):
+        if source != list(range(len(source))):  # a group's row copied to each of its choices
             past, mask = [(cache.take_rows(k, source), cache.take_rows(v, source)) for k, v in past], mask[source]
         if self.rows:
             self.past, self.mask = cache.merge(self.past, self.mask, past, mask)

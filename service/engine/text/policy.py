@@ -73,10 +73,6 @@ class StepPlan:
     prefill: list[PrefillPart] = field(default_factory=list)
     decode: bool = False
 
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 class StepPolicy:
     def __init__(self, max_running: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS,

@@ -124,8 +124,3 @@ class PrefixCache:
                 del self._index[h]
         self.used -= entry.nbytes
         self.stats.evicted += 1
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._index.clear()
-        self.used = 0
