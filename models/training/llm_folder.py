@@ -21,10 +21,39 @@ from tokenizers import Tokenizer
 from models.atomic import staging_dir
 from models.llama import LlamaConfig, hf_name
 
-# ChatML, as Qwen's templates write it (what chat clients expect of <|im_start|>/<|im_end|> models).
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-                 "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                 "{% endif %}")
+# ChatML, as Qwen's templates write it (what chat clients expect of <|im_start|>/<|im_end|> models), with Qwen
+# 2.5's tool use (Hermes style): `tools` as a "# Tools" block in the system turn (after the client's own system
+# message, if it comes first), each function's JSON a line within <tools></tools> and the call format within
+# <tool_call></tool_call>; an assistant's `tool_calls` as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+# (arguments given as text written as they are, as Qwen 3 does); `tool` messages as one user turn of
+# <tool_response> blocks. Shorter than Qwen's: each tool's `function` object alone, and a one-line instruction
+# without a default system message (the demo's context is 256 tokens). A conversation without tools, calls or
+# tool messages renders exactly as the plain ChatML loop (every message `<|im_start|>role\ncontent<|im_end|>\n`).
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call these functions:\\n<tools>' }}"
+    "{%- for tool in tools %}{%- if tool['function'] is defined %}{%- set tool = tool['function'] %}{%- endif %}"
+    "{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call: <tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from models.training.llm_folder import CHAT_TEMPLATE as TOOL_TEMPLATE  # the demo LLM's: ChatML that renders tools
 from tests.conformance.matrix import ARTIFACTS, KINDS, Kind
 
 FAIRSEQ = Path(__file__).resolve().parents[1] / "fixtures" / "fairseq"
@@ -21,14 +22,16 @@ SEGLU_TS = torch.tensor([1 - 1.1514893, 1.152832 - 1, 1 - 0.98441315, 1.0156403 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
+CONTEXT = 1024  # the Hugging Face kinds' max_position_embeddings
 CORPUS = ["def load(path):\n    return open(path).read()\n", "The quick brown fox jumps over the lazy dog.",
           '{"name": "multimax", "ranges": [0.1, -0.2], "ok": true, "n": 12}', "Return the number of items.",
           "If the file is missing, raise an error.", "This module provides a cache of tokens.", "é ü 日本 ✓"]
 
 
-def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
+def _tokenizer(out: Path, bos: bool, chat: str | None, spm: bool = False) -> None:
     """A BPE trained by `tokenizers`, saved by transformers' PreTrainedTokenizerFast: byte-level (GPT-2, Llama 3,
-    Qwen), or `spm`, Llama 2's SentencePiece layout (Metaspace, byte fallback to <0xNN> tokens)."""
+    Qwen), or `spm`, Llama 2's SentencePiece layout (Metaspace, byte fallback to <0xNN> tokens); `chat`: its chat
+    template (None: none)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -58,7 +61,7 @@ def _tokenizer(out: Path, bos: bool, chat: bool, spm: bool = False) -> None:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>" if bos else None,
                                                 eos_token="</s>", pad_token="<pad>",
-                                                chat_template=CHATML if chat else None)
+                                                chat_template=chat)
     fast.save_pretrained(out)
     if spm:  # what a Llama 2 folder's config says (onnxruntime-genai reads its tokenizer by this class)
         config_path = out / "tokenizer_config.json"
@@ -72,8 +75,10 @@ def hf_folder(kind: Kind, out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     opts = kind.options
+    # 1024 positions: a chat with a tool's definitions is a few hundred of these small vocabularies' tokens (the
+    # rotary models' weights do not depend on it: the same seed gives the same tensors at 128)
     small: dict[str, Any] = dict(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
                                  bos_token_id=0, eos_token_id=1, pad_token_id=2,
                                  tie_word_embeddings=bool(opts.get("tied")))
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
@@ -84,7 +89,8 @@ def hf_folder(kind: Kind, out: Path) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(out)
-    _tokenizer(out, bos=bool(opts.get("bos")), chat=bool(opts.get("chat")), spm=bool(opts.get("spm")))
+    template = (TOOL_TEMPLATE if opts.get("tool_template") else CHATML) if opts.get("chat") else None
+    _tokenizer(out, bos=bool(opts.get("bos")), chat=template, spm=bool(opts.get("spm")))
     if opts.get("seglu"):
         path = out / "model.safetensors"
         save_file(load_file(path) | {"lm_head.multimax_ranges": SEGLU_RANGES, "lm_head.multimax_ts": SEGLU_TS},

@@ -39,6 +39,18 @@ def _place_source(kind: Kind, source: Path, serve: Path) -> None:
 
 
 EXPORTS_AT_ONCE = 2
+# The exports are made in the setup of the first cell that needs them, which pytest-timeout counts against that
+# cell: about 4 minutes on two quiet cores, over 11 on two shared ones (the suite's 600 s per test is for the cells).
+BUILD_TIMEOUT_S = 3600
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected: the first cell that runs builds
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    first = next((item for item in items if "built" in getattr(item, "fixturenames", ())
+                  and here in item.path.resolve().parents), None)
+    if first is not None:
+        first.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S))
 
 
 def _export(args: list[str]) -> tuple[int, str]:

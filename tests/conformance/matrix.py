@@ -45,8 +45,9 @@ KINDS: tuple[Kind, ...] = (
          {"fixture": "gpt2_bpe"}),
     Kind("llama-seglu", "text", "hf", "Hugging Face Llama, SegLU head, bos token, untied, chat template",
          {"family": "llama", "seglu": True, "bos": True, "tied": False, "chat": True}),
-    Kind("qwen2-plain", "text", "hf", "Hugging Face Qwen2, no SegLU, no bos token, tied, chat template",
-         {"family": "qwen2", "seglu": False, "bos": False, "tied": True, "chat": True}),
+    Kind("qwen2-plain", "text", "hf", "Hugging Face Qwen2, no SegLU, no bos token, tied, the demo LLM's chat "
+         "template (ChatML that renders tools, Hermes `<tool_call>`)",
+         {"family": "qwen2", "seglu": False, "bos": False, "tied": True, "chat": True, "tool_template": True}),
     Kind("llama-spm", "text", "hf", "Hugging Face Llama with Llama 2's SentencePiece-style tokenizer.json "
          "(Metaspace, byte fallback), SegLU head, chat template",
          {"family": "llama", "seglu": True, "bos": True, "tied": False, "chat": True, "spm": True}),
@@ -92,6 +93,10 @@ TEXT_FEATURES: dict[str, str] = {
     "guided_grammar": "guided_grammar",
     "kserve_infer": "KServe infer",
     "kserve_classification": "KServe parameters.classification",
+    "tools": "chat with a function tool (tool_choice required, parallel_tool_calls false): one call whose "
+             "arguments validate, finish_reason tool_calls",
+    "responses": "POST /v1/responses of the chat's conversation (greedy: chat's text)",
+    "tokenize": "POST /tokenize of a prompt (the reference's ids), /detokenize back",
 }
 VISION_FEATURES: dict[str, str] = {
     "classify": "POST /v1/models/{name}/classify (an image)",
@@ -99,6 +104,7 @@ VISION_FEATURES: dict[str, str] = {
     "kserve_classification": "KServe parameters.classification (top-k classes)",
 }
 STRUCTURED = ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar")
+CHAT_FEATURES = ("chat", "tools", "responses")  # a conversation rendered with the model's chat template
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,7 @@ def cell(kind: Kind, artifact: str, feature: str) -> Cell:
         return Cell(True)
     if feature == "kserve_classification":
         return Cell(False, "classification", 400)
-    if feature == "chat" and not kind.chat:
+    if feature in CHAT_FEATURES and not kind.chat:
         return Cell(False, "chat template", 400)
     if feature in STRUCTURED and kind.word_level:
         return Cell(False, "cannot spell", 400)
@@ -187,8 +193,8 @@ _REASONS = {
                                    "8 texts encode or decode differently in onnxruntime-genai` (exit 1) and the "
                                    "folder is not served as passed; its `.onnx` exports serve every feature.",
     "classification": "KServe `parameters.classification` is for image models: a text model answers 400 naming it.",
-    "chat template": "the model has no chat template (its tokenizer config names none): chat is a 400 saying so; "
-                     "completions work.",
+    "chat template": "the model has no chat template (its tokenizer config names none): chat, tools on chat and "
+                     "the Responses API are a 400 saying so; completions and /tokenize of a prompt work.",
     "cannot spell": "a word-level dictionary has no token for single characters, so it cannot spell a grammar's text: "
                     "structured output is a 400 (`unsupported_parameter`).",
 }

@@ -38,6 +38,8 @@ class Case:
     eos: frozenset[int] = frozenset()  # the ids that end a sequence
     chat_text: str | None = None  # greedy reply to CHAT_MESSAGES through the chat template
     token_text: dict[int, str] | None = None
+    lead: int = 0  # how many of `ids` the tokenizer puts before the text (a bos; fairseq's </s>)
+    decoded: str | None = None  # `ids` decoded by the reference's tokenizer, special tokens kept
 
 
 CHAT_MESSAGES = [{"role": "user", "content": "Return the number"}]
@@ -95,6 +97,8 @@ def _hf_cases(kind: Kind, folder: Path) -> list[Case]:
             reply, _ = _greedy(lambda x: all_logprobs(x)[-1], chat_ids, eos, GREEDY_TOKENS)
             case.chat_text = tok.decode(reply, skip_special_tokens=True)
         case.token_text = {i: tok.decode([i]) for i in set(raw)}
+        case.lead = len(ids) - len(tok(prompt, add_special_tokens=False)["input_ids"])
+        case.decoded = tok.decode(ids, skip_special_tokens=False)
         cases.append(case)
     return cases
 
@@ -116,8 +120,9 @@ def _fairseq_cases(kind: Kind) -> list[Case]:
         else:  # GPT-2 BPE: greedy_words is the decoded text (eos, id 2, ends it)
             ids = c["greedy_ids"]
             greedy = c["greedy_words"] if 2 not in ids else None  # type: ignore[assignment]
+        assert c["ids"][0] == 2  # fairseq's LM input starts with </s>
         cases.append(Case(c["text"], list(c["ids"]), arrays[f"logprobs_{i}"], greedy, list(c["greedy_ids"]),
-                          frozenset({2})))  # fairseq's </s>
+                          frozenset({2}), lead=1))  # fairseq's </s>
     return cases
 
 

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}  # short: `{"ok":true}` fits a 32-token context spelled byte by byte
+TOOL = {"type": "function", "function": {"name": "answer", "description": "Answer yes or no",
+                                         "parameters": SCHEMA}}
+TOOL_TOKENS = 100  # room for the call: `<tool_call>\n{"name": "answer", "arguments": {"ok": true}}\n</tool_call>`
 CHOICES = ["alpha", "beta"]
 REGEX = "[0-9]{3}"
 GRAMMAR = 'start: "yes" | "no" | "maybe"'
@@ -172,6 +175,77 @@ def check_chat(ctx: Ctx) -> None:
         assert r.json()["choices"][0]["message"]["content"] == ctx.case.chat_text
 
 
+def check_tools(ctx: Ctx) -> None:
+    """One call, constrained by the call grammar in the syntax the template speaks (Hermes: the template's own
+    tool rendering, or the tools written into the system message): its arguments parse and validate, and the
+    reply ends with it (the grammar allows nothing after the one call parallel_tool_calls false allows)."""
+    r = ctx.post("/v1/chat/completions", messages=CHAT_MESSAGES, tools=[TOOL], tool_choice="required",
+                 parallel_tool_calls=False, max_tokens=TOOL_TOKENS, temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "answer" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+    assert body["usage"]["completion_tokens"] < TOOL_TOKENS  # ended by itself, not by the limit
+    plain = ctx.post("/tokenize", messages=CHAT_MESSAGES).json()["count"]
+    assert body["usage"]["prompt_tokens"] > plain  # the tool's definition was in the prompt
+
+
+def check_responses(ctx: Ctx) -> None:
+    """The chat's conversation as Responses input: the same prompt, and greedy, the same tokens as the server's
+    own chat completion (check_chat compares that with the reference)."""
+    chat = ctx.post("/v1/chat/completions", messages=CHAT_MESSAGES, max_tokens=GREEDY_TOKENS, temperature=0,
+                    logprobs=True)
+    r = ctx.post("/v1/responses", input=CHAT_MESSAGES, max_output_tokens=GREEDY_TOKENS, temperature=0,
+                 include=["message.output_text.logprobs"], store=False)
+    assert chat.status_code == 200 and r.status_code == 200, r.text
+    answer, response = chat.json(), r.json()
+    assert response["object"] == "response" and response["status"] in ("completed", "incomplete"), response
+    (message,) = response["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert response["usage"]["input_tokens"] == answer["usage"]["prompt_tokens"]
+    text = "".join(part["text"] for part in message["content"] if part["type"] == "output_text")
+    if ctx.exact:
+        assert text == answer["choices"][0]["message"]["content"]
+        assert response["usage"]["output_tokens"] == answer["usage"]["completion_tokens"]
+        ours = [t["token"] for t in message["content"][0]["logprobs"]]
+        assert ours == [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
+        assert response["status"] == ("incomplete" if answer["choices"][0]["finish_reason"] == "length"
+                                      else "completed")
+
+
+def check_tokenize(ctx: Ctx) -> None:
+    """The prompt's ids as the reference has them (bos included where its tokenizer adds one; fairseq's </s> before
+    every input), and /detokenize of the ids after those gives the prompt back where the tokenizer round-trips it
+    (a word-level dictionary writes each word with a space before it); all the ids give the text with the leading
+    special tokens kept, as vLLM's /detokenize keeps them (as transformers' decode writes it, for its kinds)."""
+    r = ctx.post("/tokenize", prompt=ctx.case.prompt)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids, lead = ctx.case.ids, ctx.case.lead
+    assert body["count"] == len(ids) and body["tokens"] == ids, body
+    assert body["max_model_len"] == ctx.context
+
+    def detokenize(tokens: list[int]) -> str:
+        r = ctx.post("/detokenize", tokens=tokens)
+        assert r.status_code == 200, r.text
+        return str(r.json()["prompt"])
+
+    text = detokenize(ids[lead:])
+    if ctx.kind.word_level:
+        assert text == "".join(" " + w for w in ctx.case.prompt.split())
+    else:
+        assert text == ctx.case.prompt
+    whole = detokenize(ids)
+    if ctx.case.decoded is not None:  # transformers' decode, special tokens kept
+        assert whole == ctx.case.decoded
+    else:
+        specials = detokenize(ids[:lead]) if lead else ""
+        assert whole == specials + text and len(specials) >= 3 * lead  # </s>
+
+
 def _structured(ctx: Ctx, max_tokens: int = 40, **body: Any) -> tuple[str, str]:
     """Sampled (the grammar, not the model's taste, decides the form), from a one-word prompt, within the context."""
     r = ctx.post("/v1/completions", prompt="A", max_tokens=min(max_tokens, ctx.context - 4), temperature=1.0,
@@ -242,6 +316,11 @@ def refused(ctx: Ctx, feature: str) -> Any:
         return _infer(ctx, classification=2)
     if feature == "chat":
         return ctx.post("/v1/chat/completions", messages=CHAT_MESSAGES, max_tokens=2)
+    if feature == "tools":
+        return ctx.post("/v1/chat/completions", messages=CHAT_MESSAGES, max_tokens=2, tools=[TOOL],
+                        tool_choice="required", parallel_tool_calls=False)
+    if feature == "responses":
+        return ctx.post("/v1/responses", input=CHAT_MESSAGES, max_output_tokens=2)
     fields = {"json_object": {"response_format": {"type": "json_object"}},
               "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                           "schema": SCHEMA}}},

@@ -3,10 +3,11 @@ transformers renders them), the reply constrained by the call grammar so every c
 split into content and tool_calls whole and streamed, as the official `openai` client reads them
 (service.protocols.tools, tool_grammar, tool_parser).
 
-The served model is the shipped demo LLM (llama_seglu: a tiny Qwen-style chat model whose template has no tool
-support, so the server writes the tools into the system message and asks for the Hermes syntax; its whole
-context is 256 tokens, hence the small tools). It was never trained to call tools: what it writes unconstrained
-is noise, which is the point of the constraint.
+The served model is the shipped demo LLM (llama_seglu: a tiny Qwen-style chat model whose ChatML template renders
+tools in Qwen 2.5's Hermes style, so the server passes them to it and parses `<tool_call>`; its whole context is
+256 tokens, hence the small tools). The fallback for a template without tool support (the tools written into the
+system message) is shown on plain ChatML here and served in test_tool_families.py. It was never trained to call
+tools: what it writes unconstrained is noise, which is the point of the constraint.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}
 SCHEMAS = {"weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NO_EOS = {"0": -100, "2": -100}  # the demo's end tokens, discouraged: the grammar alone decides where it ends
+
+# Plain ChatML: a template without tool support
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
 
 # A Hermes-style template with tool support (Qwen 2.5's, as transformers' chat-template docs show tool use)
 HERMES_TEMPLATE = (
@@ -193,7 +199,7 @@ def test_tools_render_through_a_hermes_template_as_transformers_renders_them(tok
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message(tok: HFTextTokenizer) -> None:
-    template = tok.chat_template
+    template = CHATML  # the demo's template before it rendered tools
     plan = tools.read_tools([WEATHER], "required", None, template=template)
     assert plan is not None and not plan.native
     messages, extra = tools.prepare_messages(HISTORY, template, plan)
