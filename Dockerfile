@@ -48,6 +48,9 @@ RUN pip install --no-deps /wheels/multimax_serve-*.whl \
 
 FROM ${BASE}
 RUN useradd --user-group --uid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin multimax
+# Hugging Face folders' exports (made on first load, docs/SERVICE.md): a volume here keeps them across containers;
+# owned by the server's user so that a fresh named volume is writable too.
+RUN mkdir -p /cache && chown 10001:10001 /cache
 # The demo models answer until a volume is mounted over /models (the Helm chart's default, Compose without MODELS_DIR).
 COPY --from=build /src/models/demo/*.onnx /models/
 COPY --from=build /opt/venv /opt/venv
@@ -55,7 +58,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     MULTIMAX_SERVE_HOST=0.0.0.0 \
     MULTIMAX_SERVE_PORT=8000 \
-    MULTIMAX_SERVE_MODEL_DIR=/models
+    MULTIMAX_SERVE_MODEL_DIR=/models \
+    MULTIMAX_SERVE_EXPORT_CACHE=/cache
 USER 10001:10001
 EXPOSE 8000
 # Ready once every model is loaded and warmed up (KServe V2 readiness). With --auth-health (or TLS) probe with

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +20,18 @@ def lib() -> ort_ops.Library:
             pytest.fail(f"fused MultiMax ops required but unavailable: {found.reason}")
         pytest.skip(f"fused MultiMax ops unavailable: {found.reason}")
     return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The cache of Hugging Face folders' exports (service.engine.folder_export) for this session: a folder served
+    under the default --folder-export auto (the demo LLM, a test's tiny model) is exported once per session, never
+    into the user's ~/.cache; `python -m service` started by a test inherits it. A MULTIMAX_SERVE_EXPORT_CACHE set
+    before the run is kept (a cache kept between runs: entries are keyed by content, code and versions)."""
+    name = "MULTIMAX_SERVE_EXPORT_CACHE"
+    given = os.environ.get(name)
+    cache = Path(given) if given else tmp_path_factory.mktemp("export-cache")
+    os.environ[name] = str(cache)
+    yield cache
+    if given is None:
+        os.environ.pop(name, None)

@@ -23,12 +23,23 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
 MODEL_CONTROL = ("none", "explicit")  # Triton's --model-control-mode, without "poll"
+FOLDER_EXPORT = ("auto", "off")  # a Hugging Face folder: served from its cached export (auto), or as it is (off)
 
 
 def _default_model_dir() -> Path:
     import models  # not models.demo (DEMO_DIR): that imports torch, which `--help` should not wait for
 
     return Path(models.__file__).resolve().parent / "demo"
+
+
+def default_export_cache() -> Path:
+    """Where Hugging Face folders' exports are kept (service.engine.folder_export): the environment variable (read by
+    Settings made in code too, as the tests' shared cache is), else $XDG_CACHE_HOME/multimax-serve/exports, else
+    ~/.cache/multimax-serve/exports (beside the fused ops' build cache, plugins.ort_ops.build)."""
+    given = os.environ.get(ENV_PREFIX + "EXPORT_CACHE", "").strip()
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multimax-serve" / "exports"
 
 
 def _bool(text: str) -> bool:
@@ -38,6 +49,21 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+SPINNING = ("off", "run", "always")
+
+
+def _spinning(text: str) -> str:
+    """`--ort-spinning`: off, run (threads spin inside a model call and stop when it returns) or always; the
+    booleans it took before keep their meaning (true: always, false: off)."""
+    value = text.strip().lower()
+    if value in SPINNING:
+        return value
+    try:
+        return "always" if _bool(value) else "off"
+    except ValueError:
+        raise ValueError(f"expected one of {', '.join(SPINNING)} (or a boolean), got {text!r}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -69,12 +95,18 @@ class Settings:
     model_dir: Path = field(default_factory=_default_model_dir)
     models: tuple[str, ...] = ()  # empty: every model found in model_dir
     backend: str = "auto"
+    # A Hugging Face folder under --backend auto/onnxruntime: exported once (validated) into export_cache and served
+    # from there on ONNX Runtime (service.engine.folder_export); "off", or --backend torch: served as it is, on PyTorch
+    folder_export: str = "auto"
+    export_cache: Path = field(default_factory=default_export_cache)
     device: str = "auto"
     torch_compile: bool = False
     intra_op_threads: int = 0  # 0: the runtime's default (one per physical core)
     inter_op_threads: int = 0
     ort_providers: tuple[str, ...] = ()  # empty: probe the machine (TensorRT, CUDA, CPU)
-    ort_spinning: bool = False  # idle ORT threads spin for work: faster alone, steals CPU from the event loop
+    # ORT's pool threads busy-wait for work inside a model call, and stop when it returns ("run"): the call gets
+    # spinning's speed, the event loop its core between calls ("always": spin between calls too; "off": never)
+    ort_spinning: str = "run"
     trt_plugin_lib: str = ""
     # Classification: dynamic batching and admission control.
     max_batch_size: int = 16
@@ -152,6 +184,10 @@ class Settings:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.ort_spinning not in SPINNING:
+            raise ValueError(f"ort_spinning must be one of {', '.join(SPINNING)}, got {self.ort_spinning!r}")
+        if self.folder_export not in FOLDER_EXPORT:
+            raise ValueError(f"folder_export must be one of {', '.join(FOLDER_EXPORT)}, got {self.folder_export!r}")
         if self.model_control not in MODEL_CONTROL:
             raise ValueError(f"model_control must be one of {', '.join(MODEL_CONTROL)}, got {self.model_control!r}")
         if self.device not in DEVICES:
@@ -205,14 +241,19 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("models", _names, "comma-separated model names to serve (default: all in the directory)", "NAMES"),
     _Option("backend", str, "backend for models with several files: auto prefers .onnx, then .pt, then an engine",
             choices=BACKENDS),
+    _Option("folder_export", str, "a Hugging Face model folder, with --backend auto or onnxruntime: auto exports it "
+            "on first load (validated against PyTorch, kept in --export-cache) and serves the export on ONNX Runtime; "
+            "off serves the folder itself on PyTorch (as --backend torch does)", choices=FOLDER_EXPORT),
+    _Option("export_cache", Path, "directory of the Hugging Face folders' exports, keyed by the folders' content "
+            "(safe to delete: an entry is made again on the next load)", "DIR"),
     _Option("device", str, "device for the PyTorch backend", choices=DEVICES),
     _Option("torch_compile", _bool, "run PyTorch models through torch.compile", "BOOL"),
     _Option("intra_op_threads", int, "threads inside one operator (0: runtime default)", "N"),
     _Option("inter_op_threads", int, "threads across operators (0: runtime default)", "N"),
     _Option("ort_providers", _names, "ONNX Runtime execution providers in order (default: probe the machine)",
             "NAMES"),
-    _Option("ort_spinning", _bool, "let idle ONNX Runtime threads busy-wait for work (costs the event loop CPU)",
-            "BOOL"),
+    _Option("ort_spinning", _spinning, "ONNX Runtime's pool threads busy-wait for work: inside a model call only "
+            "(run), also between calls (always: takes CPU from the event loop), or never (off)", "MODE"),
     _Option("trt_plugin_lib", str, "shared library with the MultiMax TensorRT plugin", "PATH"),
     _Option("max_batch_size", int, "classification: largest batch one model call takes", "N"),
     _Option("max_queue_delay_ms", float, "classification: how long a batch may wait to fill once the model is idle "

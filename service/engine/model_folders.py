@@ -4,12 +4,15 @@ ONNX Runtime backend, export.genai_folder). Either is served under the folder's 
 numbered version directory inside `name/` (Triton's layout), beside the model files.
 
 Both carry a real tokenizer (models.hf_text) and, where tokenizer_config.json has one, a chat template.
+A Hugging Face folder under `--folder-export auto` (and `--backend auto` or `onnxruntime`) is served from its
+onnxruntime-genai export instead, made and validated on first load and cached (service.engine.folder_export).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,11 +31,14 @@ from service.base.config import Settings
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend, grown_length
 from service.engine.backends.cache_numpy import NumpyCache
 from service.engine.backends.cache_ops import LEFT, RIGHT, map_past
-from service.engine.backends.onnxruntime import _read_graph, fused_ops_state
+from service.engine.backends.onnxruntime import _read_graph, fused_ops_state, set_spinning
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
 from service.engine.entry import ModelEntry
+from service.engine.folder_export import cached_export, discard, exports_folders
 from service.engine.tasks import served
+
+log = logging.getLogger(__name__)
 
 HF_FOLDER, GENAI_FOLDER = "hf-folder", "genai-folder"
 GENAI_CONFIG = "genai_config.json"
@@ -128,8 +134,7 @@ class GenaiTextBackend(TextBackend):
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
-        value = "1" if settings.ort_spinning else "0"
-        options.add_session_config_entry("session.intra_op.allow_spinning", value)
+        set_spinning(options, settings.ort_spinning)
         options.log_severity_level = 3
         providers = list(settings.ort_providers) or list(onnxruntime_providers()[0])
         model_file = path / str(decoder.get("filename", "model.onnx"))
@@ -330,4 +335,35 @@ def _with_tokenizer(spec: Any, tokenizer: HFTextTokenizer) -> TextSpec:
 
 def load_folder_entry(name: str, kind: str, path: Path, settings: Settings) -> ModelEntry:
     """The model of a folder: kind is HF_FOLDER or GENAI_FOLDER (folder_kind)."""
+    if kind == HF_FOLDER and exports_folders(settings):  # issue 40: its cached export, where there is one
+        entry = _load_exported(name, path, settings)
+        if entry is not None:
+            return entry
     return load_hf_folder(name, path, settings) if kind == HF_FOLDER else load_genai_folder(name, path, settings)
+
+
+# ---- a Hugging Face folder served from its cached export (service.engine.folder_export) --------------------------
+
+
+def _load_exported(name: str, path: Path, settings: Settings) -> ModelEntry | None:
+    """The folder's validated onnxruntime-genai export, made on first load and cached, loaded under the folder's name
+    (its tokenizer, chat template and SegLU are the export's copies); None: serve the folder itself (the log says
+    why). A cached entry that onnxruntime cannot load is damaged: it is made again, once."""
+    label = name if path.name == name else f"{name}/{path.name}"  # a version directory: "name/2"
+    for _ in range(2):
+        export = cached_export(label, path, settings)
+        if export is None:
+            return None
+        try:
+            entry = load_genai_folder(name, export.folder, settings)
+        except BackendUnavailable as exc:
+            if export.made:
+                log.warning("%s: its new export does not load (%s); serving the folder on PyTorch", label, exc)
+                return None
+            log.warning("%s: its cached export %s does not load (%s): exporting it again", label, export.folder, exc)
+            discard(export)
+            continue
+        architecture = export.manifest.get("architecture") or entry.details["architecture"]
+        entry.details = {**entry.details, "architecture": architecture, "served_from": export.describe(label)}
+        return entry
+    return None

@@ -23,7 +23,8 @@ from service.base.config import Settings
 from service.base.errors import without_paths
 from service.engine.backends.base import Backend, BackendUnavailable
 from service.engine.entry import Failed, Loaded, ModelEntry
-from service.engine.model_folders import folder_files, folder_kind, load_folder_entry
+from service.engine.folder_export import exports_folders
+from service.engine.model_folders import HF_FOLDER, folder_files, folder_kind, load_folder_entry
 from service.engine.tasks import served
 from service.engine.warmup import warm_up
 
@@ -234,7 +235,9 @@ def load_version(name: str, version: int, files: Files, settings: Settings) -> M
     kind = choose(files, settings.backend)
     if kind is None:
         raise BackendUnavailable(f"no file for backend {settings.backend}")
-    if settings.backend not in ("auto", kind):
+    # issue 40: a Hugging Face folder "on torch" is exported for onnxruntime (folder_export) unless that is off
+    exported = folder_kind(files[kind]) == HF_FOLDER and exports_folders(settings)
+    if settings.backend not in ("auto", kind) and not exported:
         log.info("%s: no %s file, serving it with %s", name, settings.backend, kind)
     start = time.perf_counter()
     stamp = fingerprint(files)  # before reading: a file replaced meanwhile is seen as changed by the next load

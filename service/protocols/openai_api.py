@@ -66,6 +66,9 @@ class ModelCard(BaseModel):
     format: str | None = None
     multimax: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
+    # A Hugging Face folder served from its cached onnxruntime-genai export (service.engine.folder_export): the source
+    # folder's name, the cache key, when it was exported and its validation verdict
+    served_from: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -119,7 +119,10 @@ def client(built: dict[str, object]) -> Iterator[TestClient]:
 
     serve = built["serve"]
     assert isinstance(serve, Path)
-    settings = Settings(model_dir=serve, warmup_calls=0, max_running_sequences=8, intra_op_threads=1)
+    # the "source" column is a folder or checkpoint served as it is, on PyTorch: folders are not exported on load
+    # (their export is the "genai" column; service.engine.folder_export is tested in test_folder_export_cache.py)
+    settings = Settings(model_dir=serve, warmup_calls=0, max_running_sequences=8, intra_op_threads=1,
+                        folder_export="off")
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
 

@@ -128,7 +128,8 @@ class Wrapped:
 
 class Steered(Wrapped):
     """The model, except: at a position in `script` the logits make that token the greedy choice; at a position in
-    `nan_at` the row's logits are NaN (its numbers went bad). Logits are torch tensors (a folder's PyTorch model)."""
+    `nan_at` the row's logits are NaN (its numbers went bad). Logits are torch tensors (a folder's PyTorch model) or
+    numpy arrays (ONNX Runtime: a folder's export)."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
@@ -140,7 +141,7 @@ class Steered(Wrapped):
         logits, presents = self.inner.run_text(ids, mask, positions, past, last_only)
         if not self.script and not self.nan_at:
             return logits, presents
-        logits = logits.clone()
+        logits = logits.copy() if isinstance(logits, np.ndarray) else logits.clone()
         for row, pos in enumerate(positions[:, -1].tolist()):
             if pos in self.script:
                 logits[row, -1] = -1e4

@@ -30,6 +30,16 @@ from service.engine.backends.probe import onnxruntime_providers
 log = logging.getLogger(__name__)
 
 
+def set_spinning(options: ort.SessionOptions, mode: str) -> None:
+    """service.base.config's `ort_spinning` on a session: "run" lets the pool threads spin for work inside a call
+    and stops them when it returns (`session.force_spinning_stop`), so a model call runs as fast as with spinning
+    while the event loop, the sampler and the HTTP side get the CPU between calls."""
+    spin = "0" if mode == "off" else "1"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    options.add_session_config_entry("session.force_spinning_stop", "1" if mode == "run" else "0")
+
+
 def fused_ops_state(proto: onnx.ModelProto | None, options: ort.SessionOptions) -> dict[str, Any]:
     """Register the fused MultiMax ops (plugins.ort_ops) when the model has multimax nodes; say whether, and which
     library (`source`: the wheel's "prebuilt" one, "built on first use" from a checkout, or "unavailable")."""
@@ -133,7 +143,7 @@ def OnnxRuntimeBackend(
     intra_op_threads: int = 0,
     inter_op_threads: int = 0,
     providers: tuple[str, ...] = (),
-    spinning: bool = False,
+    spinning: str = "run",
 ) -> OrtVisionBackend | OrtTextBackend:
     """The exported file in an onnxruntime session with the providers this machine really has, as the backend
     of its task (from the file's metadata)."""
@@ -141,9 +151,7 @@ def OnnxRuntimeBackend(
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
-    value = "1" if spinning else "0"
-    options.add_session_config_entry("session.intra_op.allow_spinning", value)
-    options.add_session_config_entry("session.inter_op.allow_spinning", value)
+    set_spinning(options, spinning)
     options.log_severity_level = 3  # errors only: providers are chosen so that there are none to warn about
     if providers:
         unknown = [p for p in providers if p not in ort.get_available_providers()]

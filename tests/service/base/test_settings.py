@@ -44,3 +44,17 @@ def test_cli_help_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "service", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=60)
     assert out.returncode == 0 and "--max-queue-delay-ms" in out.stdout
+
+
+@pytest.mark.parametrize(("value", "mode"), [("run", "run"), ("ALWAYS", "always"), ("off", "off"), ("true", "always"),
+                                             ("1", "always"), ("false", "off"), ("no", "off")])
+def test_ort_spinning_takes_its_modes_and_the_booleans_it_took_before(value: str, mode: str) -> None:
+    assert load_settings(["--ort-spinning", value], {}).ort_spinning == mode
+    assert load_settings([], {"MULTIMAX_SERVE_ORT_SPINNING": value}).ort_spinning == mode
+
+
+def test_ort_spinning_refuses_anything_else(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        load_settings(["--ort-spinning", "sometimes"], {})
+    assert exc.value.code == 2
+    assert "sometimes" in capsys.readouterr().err

@@ -66,7 +66,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(repo: Path) -> Iterator[str]:
-    with running("--model-dir", str(repo), "--intra-op-threads", "1", "--max-running-sequences", "8") as base:
+    # the folders themselves on PyTorch (their parameters in the card, the steered model below), not their exports
+    with running("--model-dir", str(repo), "--backend", "torch", "--intra-op-threads", "1",
+                 "--max-running-sequences", "8") as base:
         yield base
 
 
@@ -336,7 +338,7 @@ def test_completions_use_the_folders_tokenizer(client: Any, reference: tuple[Any
 
 @pytest.fixture(scope="module")
 def steered(repo: Path) -> Iterator[tuple[str, Steered, Any]]:
-    app = create_app(Settings(model_dir=repo, models=(CHAT,), intra_op_threads=1, warmup_calls=0))
+    app = create_app(Settings(model_dir=repo, models=(CHAT,), backend="torch", intra_op_threads=1, warmup_calls=0))
     rt = app.state.runtimes.models[CHAT]
     wrapper = Steered(rt.scheduler.backend)
     rt.scheduler.backend = wrapper

@@ -152,7 +152,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(folders: Path) -> Iterator[str]:
-    app = create_app(Settings(model_dir=folders, models=tuple(FAMILIES), warmup_calls=0, intra_op_threads=1))
+    # the folders on PyTorch, as they are: the templates and the grammar are tested here, not the folders' exports
+    app = create_app(Settings(model_dir=folders, models=tuple(FAMILIES), backend="torch", warmup_calls=0,
+                              intra_op_threads=1))
     with in_thread(app) as base:
         yield base
 

@@ -213,7 +213,7 @@ def test_chats_sharing_a_system_prompt_hit_the_cache_and_answer_as_without_it(tm
 
     def answers(megabytes: float) -> tuple[list[dict[str, Any]], str]:
         app = create_app(Settings(model_dir=tmp_path / "models", models=("hf_llama",), intra_op_threads=1,
-                                  warmup_calls=0, prefix_cache_mb=megabytes))
+                                  backend="torch", warmup_calls=0, prefix_cache_mb=megabytes))  # the folder itself
         out = []
         with TestClient(app) as client:
             for q in questions:
