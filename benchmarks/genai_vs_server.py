@@ -403,10 +403,9 @@ async def _stream(session: Any, url: str, name: str, prompt: list[int], max_toke
             if not line.startswith(b"data: {"):
                 continue
             event = json.loads(line[6:])
-            if event.get("choices"):
-                if event["choices"][0].get("text"):
-                    stamps.append(time.perf_counter())
-            elif event.get("usage"):
+            if event.get("choices") and event["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+            if event.get("usage"):  # an event of its own here; llama-server puts it on the last choice's event
                 tokens = int(event["usage"]["completion_tokens"])
     if not stamps:  # no token decoded to text (special ids of a random model): the end stands for the first token
         stamps.append(time.perf_counter())
