@@ -60,10 +60,12 @@ class HFTokenizer:
         jinja = folder / "chat_template.jinja"  # where transformers 5 writes it
         if jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
-        if template is not None and not isinstance(template, str):
-            # a list of named templates: the one named "default"
+        if isinstance(template, list):  # a list of named templates: the one named "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{config_path}: chat_template must be a template string or a list of named "
+                                  f"templates, got {type(template).__name__}")
         return cls(tokenizer, config, template, eos_ids, str(path))
 
     @property

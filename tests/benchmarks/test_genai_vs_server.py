@@ -3,9 +3,7 @@ and bad input exits 2 with one line (timings are never asserted)."""
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stdout
 from functools import partial
 from pathlib import Path
 
@@ -15,18 +13,12 @@ og = pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("aiohttp")
 
 from benchmarks import genai_vs_server as bench  # noqa: E402
-from export.cli import main as export_main  # noqa: E402
 from tests.paths import ROOT  # noqa: E402
-
-DEMO_TEXT = ROOT / "models" / "demo" / "text_multimax.pt"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gvs") / "text-genai"
-    with redirect_stdout(io.StringIO()):
-        assert export_main([str(DEMO_TEXT), "-o", str(out), "--samples", "4", "--quiet"]) == 0
-    return out
+def folder(text_genai_folder: Path) -> Path:
+    return text_genai_folder
 
 
 @pytest.mark.slow
@@ -69,7 +61,7 @@ def test_a_short_run_reports_every_way_and_ratio(folder: Path, tmp_path: Path, k
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
     assert bench.main([str(folder), "--threads", "1", "--streams", "1,2", "--rounds", "1", "--prompt-len", "4",
-                       "--max-tokens", "4", "--json", str(out), "--base-tree", str(DEMO_TEXT.parents[2]),
+                       "--max-tokens", "4", "--json", str(out), "--base-tree", str(ROOT),
                        "--workload", kind]) == 0
     report = json.loads(out.read_text())
     assert report["workload"] == kind

@@ -3,9 +3,7 @@ first side; bad input exits 2 with one line (timings are never asserted)."""
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -13,18 +11,12 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from benchmarks import server_ab
-from export.cli import main as export_main
 from tests.paths import ROOT
-
-DEMO_TEXT = ROOT / "models" / "demo" / "text_multimax.pt"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ab") / "text-genai"
-    with redirect_stdout(io.StringIO()):
-        assert export_main([str(DEMO_TEXT), "-o", str(out), "--samples", "4", "--quiet"]) == 0
-    return out
+def folder(text_genai_folder: Path) -> Path:
+    return text_genai_folder
 
 
 @pytest.mark.slow

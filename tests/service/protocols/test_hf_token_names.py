@@ -19,7 +19,7 @@ from tests.conformance.builders import _tokenizer
 
 @pytest.mark.parametrize("spm", [True, False])
 def test_each_token_is_named_by_what_it_adds(tmp_path: Path, spm: bool) -> None:
-    _tokenizer(tmp_path, bos=True, chat=False, spm=spm)
+    _tokenizer(tmp_path, bos=True, chat=None, spm=spm)
     tok = HFTextTokenizer(HFTokenizer.from_folder(tmp_path))
     assert tok.spm_pieces is spm and tok.byte_level is not spm
     text = "Return the é 日本 ✓ Ω"  # Ω is in no training text: bytes of no piece of its own
@@ -42,7 +42,7 @@ def test_a_stream_of_byte_pieces_is_the_whole_text(tmp_path: Path) -> None:
     (not UTF-8 as a run) is two U+FFFD. A stream waits for a run to end, so what it sent is the whole text's."""
     from service.engine.text.detokenizer import IncrementalDetokenizer
 
-    _tokenizer(tmp_path, bos=True, chat=False, spm=True)
+    _tokenizer(tmp_path, bos=True, chat=None, spm=True)
     tok = HFTextTokenizer(HFTokenizer.from_folder(tmp_path))
     piece = tok.hf.tokenizer.token_to_id
     words = [tok.encode(w, bos=False)[-1] for w in ("num", "the")]
@@ -55,3 +55,16 @@ def test_a_stream_of_byte_pieces_is_the_whole_text(tmp_path: Path) -> None:
         unaware = "".join(without.step(seq[:n], final=n == len(seq)) for n in range(1, len(seq) + 1))
         if seq[1:3] == runs[0]:
             assert unaware != tok.decode(seq)  # what the stream sent before: DEL, then one U+FFFD
+
+
+@pytest.mark.parametrize("template", [False, 3, {"default": "x"}])
+def test_a_chat_template_that_is_no_template_is_refused_by_name(tmp_path: Path, template: object) -> None:
+    import json
+
+    from models.loading import CheckpointError
+
+    _tokenizer(tmp_path, bos=True, chat=None)
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"chat_template": template}))
+    with pytest.raises(CheckpointError, match="chat_template must be a template string"):
+        HFTokenizer.from_folder(tmp_path)
