@@ -237,9 +237,24 @@ def folder_parser(prog: str, doc: str, rounds: int) -> argparse.ArgumentParser:
     return ap
 
 
+def is_genai_folder(folder: Path) -> bool:
+    return (folder / "genai_config.json").is_file()
+
+
+def is_source_tree(tree: Path) -> bool:
+    """A tree `python -m service` can run from (server(tree=...))."""
+    return (tree / "service" / "__main__.py").is_file()
+
+
+def model_limits(folder: Path) -> tuple[int, int]:
+    """(vocabulary size, context length) of an onnxruntime-genai folder."""
+    cfg = json.loads((folder / "genai_config.json").read_text())["model"]
+    return int(cfg["vocab_size"]), int(cfg["context_length"])
+
+
 def not_a_genai_folder(folder: Path) -> bool:
     """True, having said so on stderr, where `folder` has no genai_config.json."""
-    if (folder / "genai_config.json").is_file():
+    if is_genai_folder(folder):
         return False
     print(f"error: {folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
     return True
@@ -473,18 +488,16 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(s) for s in args.streams.split(",")]
     except ValueError:
         ap.error(f"--streams: not a comma-separated list of integers: {args.streams!r}")
-    if not (args.folder / "genai_config.json").is_file():
-        print(f"error: {args.folder} is not an onnxruntime-genai folder (no genai_config.json)", file=sys.stderr)
+    if not_a_genai_folder(args.folder):
         return 2
-    if args.base_tree is not None and not (args.base_tree / "service" / "__main__.py").is_file():
+    if args.base_tree is not None and not is_source_tree(args.base_tree):
         print(f"error: --base-tree {args.base_tree} is not a source tree of this project (no service/__main__.py)",
               file=sys.stderr)
         return 2
     if min(counts) < 1 or args.rounds < 1 or args.threads < 1 or args.prompt_len < 1 or args.max_tokens < 2:
         ap.error("--streams, --rounds, --threads, --prompt-len must be >= 1 and --max-tokens >= 2")
     folder = args.folder.resolve()
-    cfg = json.loads((folder / "genai_config.json").read_text())["model"]
-    vocab, context = int(cfg["vocab_size"]), int(cfg["context_length"])
+    vocab, context = model_limits(folder)
     if args.prompt_len + args.max_tokens > context:
         print(f"error: --prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} is over the model's "
               f"context of {context}", file=sys.stderr)

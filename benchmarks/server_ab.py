@@ -53,9 +53,9 @@ def parse_sides(specs: list[str], args: list[str]) -> list[Side]:
         if label in sides:
             raise ValueError(f"side {label!r} named twice")
         folder, _, tree = rest.partition("@")
-        if gvs.not_a_genai_folder(Path(folder)):
+        if not gvs.is_genai_folder(Path(folder)):
             raise ValueError(f"{folder}: not an onnxruntime-genai folder (no genai_config.json)")
-        if tree and not (Path(tree) / "service" / "__main__.py").is_file():
+        if tree and not gvs.is_source_tree(Path(tree)):
             raise ValueError(f"{tree}: not a source tree of this project (no service/__main__.py)")
         sides[label] = Side(label, Path(folder), Path(tree).resolve() if tree else None)
     for arg in args:
@@ -68,14 +68,10 @@ def parse_sides(specs: list[str], args: list[str]) -> list[Side]:
     return list(sides.values())
 
 
-def vocab_of(folder: Path) -> int:
-    return int(json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"])
-
-
 def measure(sides: list[Side], streams: list[int], rounds: int, prompt_len: int, max_tokens: int,
             threads: int) -> dict[str, Any]:
     runs: dict[str, dict[int, list[gvs.Run]]] = {s.label: {n: [] for n in streams} for s in sides}
-    vocab = min(vocab_of(s.folder) for s in sides)
+    vocab = min(gvs.model_limits(s.folder)[0] for s in sides)
     with contextlib.ExitStack() as stack:
         bases = {s.label: stack.enter_context(gvs.server(s.folder, threads, s.options, s.tree)) for s in sides}
         for n in streams:  # one untimed run each: warm caches, first-call allocations
@@ -131,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         streams = [int(x) for x in args.streams.split(",")]
         if min(streams) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.prompt_len < 1 or args.threads < 0:
             raise ValueError("streams, rounds, max tokens and prompt length must be at least 1")
+        context = min(gvs.model_limits(side.folder)[1] for side in sides)
+        if args.prompt_len + args.max_tokens > context:
+            raise ValueError(f"--prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} is over the "
+                             f"context of {context}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

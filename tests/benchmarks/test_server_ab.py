@@ -41,6 +41,8 @@ def test_bad_input_exits_2(folder: Path, tmp_path: Path, capsys: pytest.CaptureF
                        [[f"a={folder}@{tmp_path}"], "not a source tree"], [[f"a={folder}", f"a={folder}"], "twice"],
                        [[f"a={folder}", "--arg", "b=--x"], "--arg is LABEL=OPTION"],
                        [[f"a={folder}", "--streams", "1,x"], "invalid literal"],
-                       [[f"a={folder}", "--rounds", "0"], "at least 1"]):
+                       [[f"a={folder}", "--rounds", "0"], "at least 1"],
+                       [[f"a={folder}", "--max-tokens", "100000"], "is over the context of"]):
         assert server_ab.main(argv) == 2, argv
-        assert said in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, (argv, err)  # one line
