@@ -25,6 +25,9 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+ONE_TOKEN_CACHE = 1 << 18  # ids whose text HFTokenizer.decode keeps (more than any vocabulary here)
+
+
 class HFTokenizer:
     type = "hf"
     concatenates = False  # decoded whole (models.hf_text.HFTextTokenizer knows when a byte-level BPE concatenates)
@@ -36,6 +39,9 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.source = source
         self._vocab_size: int | None = None
+        # one token's text (special tokens skipped), by id: a stream decodes each new token alone once a step
+        # (service.engine.text.detokenizer's prefix window), so a token is decoded once, not once a step
+        self._one: dict[int, str] = {}
         self.special: dict[str, str | None] = {
             name: _token_text(config.get(f"{name}_token")) for name in ("bos", "eos", "pad", "unk")
         }
@@ -98,7 +104,15 @@ class HFTokenizer:
         return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special))
+        window = [int(i) for i in ids]
+        if len(window) != 1 or not skip_special:
+            return str(self.tokenizer.decode(window, skip_special_tokens=skip_special))
+        text = self._one.get(window[0])
+        if text is None:
+            text = str(self.tokenizer.decode(window, skip_special_tokens=True))
+            if len(self._one) < ONE_TOKEN_CACHE:
+                self._one[window[0]] = text
+        return text
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """UTF-8 of the decoded text without special tokens (what stop sequences are matched against)."""

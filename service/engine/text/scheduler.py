@@ -101,6 +101,7 @@ class TextScheduler:
         self._last_wake = 0.0
         # the children every sequence update touches, looked up once (a labels() call costs microseconds)
         self._running_gauge = metrics.running.labels(model)
+        self._counts = (-1, -1)  # (running, waiting) as the gauges were last set
         self._waiting_gauge = metrics.waiting.labels(model)
         self._generation_tokens = metrics.generation_tokens.labels(model)
         self._ttft = metrics.ttft.labels(model)
@@ -197,8 +198,11 @@ class TextScheduler:
             self._exclusive -= 1
 
     def _gauges(self) -> None:
-        self._running_gauge.set(len(self._active))
-        self._waiting_gauge.set(len(self._waiting))
+        counts = (len(self._active), len(self._waiting))
+        if counts != self._counts:  # every step's commit calls this: set (a lock each) only what changed
+            self._counts = counts
+            self._running_gauge.set(counts[0])
+            self._waiting_gauge.set(counts[1])
 
     # ---- loop --------------------------------------------------------------------------------------------
 

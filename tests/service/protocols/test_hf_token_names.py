@@ -68,3 +68,35 @@ def test_a_chat_template_that_is_no_template_is_refused_by_name(tmp_path: Path, 
     path.write_text(json.dumps(json.loads(path.read_text()) | {"chat_template": template}))
     with pytest.raises(CheckpointError, match="chat_template must be a template string"):
         HFTokenizer.from_folder(tmp_path)
+
+
+@pytest.mark.parametrize("spm", [True, False])
+def test_one_token_decodes_are_kept_and_equal_the_tokenizers_own(tmp_path: Path, spm: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream decodes each new token alone once a step (the detokenizer's prefix window); HFTokenizer keeps
+    those texts by id. Kept or not, every id decodes as `tokenizers` decodes it, specials skipped; with specials
+    kept, nothing is read from (or written to) what is kept; the store stops growing at its bound."""
+    import models.hf_tokenizer as hf_tokenizer
+    from service.engine.text.detokenizer import IncrementalDetokenizer
+
+    _tokenizer(tmp_path, bos=True, chat=None, spm=spm)
+    hf = HFTokenizer.from_folder(tmp_path)
+    raw = hf.tokenizer
+    vocab = raw.get_vocab_size()
+    for _ in range(2):  # the first pass fills the store, the second reads it
+        assert [hf.decode([i]) for i in range(vocab)] == [raw.decode([i], skip_special_tokens=True)
+                                                         for i in range(vocab)]
+    assert len(hf._one) == vocab
+    eos = hf.eos_ids[0]
+    assert hf.decode([eos]) == "" and hf.decode([eos], skip_special=False) == "</s>"
+    # a stream's text is the same through the store as through tokenizers alone
+    tok = HFTextTokenizer(hf)
+    ids = tok.encode("Return the é 日本 ✓ Ω of the num", bos=False) * 3
+    streamed = IncrementalDetokenizer(tok.decode, [], (), tok.joins_next)
+    text = "".join(streamed.step(ids[:n], final=n == len(ids)) for n in range(1, len(ids) + 1))
+    assert text == raw.decode(ids, skip_special_tokens=True)
+    monkeypatch.setattr(hf_tokenizer, "ONE_TOKEN_CACHE", 3)
+    bounded = HFTokenizer.from_folder(tmp_path)
+    assert [bounded.decode([i]) for i in range(10)] == [raw.decode([i], skip_special_tokens=True)
+                                                        for i in range(10)]
+    assert len(bounded._one) == 3
