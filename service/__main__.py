@@ -11,6 +11,7 @@ import uvicorn
 from models.console import run
 from service.base.config import load_settings
 from service.base.logs import configure_logging
+from service.base.startup_gc import freeze_startup_objects
 from service.edge.slowclient import header_timeout_protocol
 from service.engine.registry import RegistryError
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    freeze_startup_objects()  # the loaded models never walked by a full collection (service.base.startup_gc)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests and streams finish (up to
     # graceful_timeout_s), then runs the app's lifespan shutdown, which drains the batchers and decode loops.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from service.base.config import Settings
 from service.base.errors import error_response
+from service.base.startup_gc import freeze_startup_objects
 from service.edge.access import route_path
 from service.edge.app import create_app
 from service.edge.ray.metrics import snapshot
@@ -49,6 +50,7 @@ class ServiceReplica:
         # header. API keys, CORS and tracing are the app's own middleware, the same as in `python -m service`.
         app = create_app(self.settings, request_id_header=False)
         self.runtimes = app.state.runtimes
+        freeze_startup_objects()  # as `python -m service` (service.base.startup_gc)
         _replace_route(app, "/metrics", self._deployment_metrics)
         own_lifespan = app.router.lifespan_context
 
