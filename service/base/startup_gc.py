@@ -4,7 +4,7 @@ Loading models (tokenizers, graphs' metadata, the app and its routes) leaves a f
 objects: 284k for a 32k-vocabulary Llama export. Python's full (generation-2) collection walks every one of them
 with the GIL held, 106 ms on that process, which stalls every stream and the model's thread at once; it runs
 whenever the long-lived objects have grown by a quarter. Frozen after the start (as vLLM and Instagram's servers
-do), they are never walked again; a full collection then takes about a tenth of a millisecond.
+do), they are never walked again; a full collection then takes under a tenth of a millisecond.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ class TextScheduler:
         self._last_wake = 0.0
         # the children every sequence update touches, looked up once (a labels() call costs microseconds)
         self._running_gauge = metrics.running.labels(model)
-        self._counts = (-1, -1)  # (running, waiting) as the gauges were last set
         self._waiting_gauge = metrics.waiting.labels(model)
+        self._counts = (-1, -1)  # (running, waiting) as the gauges were last set
         self._generation_tokens = metrics.generation_tokens.labels(model)
         self._ttft = metrics.ttft.labels(model)
         self._itl = metrics.itl.labels(model)
