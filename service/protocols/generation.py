@@ -171,14 +171,19 @@ async def respond(call: ModelCall, rt: TextRuntime, request: GenerationRequest, 
     return Response(content, media_type="application/json")
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    """One Server-Sent Event: compact JSON in UTF-8 (SSE's encoding). A stream writes one a token, so orjson
-    writes it (a chunk in 0.3 us against json.dumps' 6); what orjson refuses (a lone surrogate in a string the
-    client sent) is written by json, escaped."""
+def event_json(obj: dict[str, Any]) -> bytes:
+    """A stream event's JSON: compact, in UTF-8 (SSE's encoding). A stream writes one a token, so orjson writes it
+    (a chunk in 0.3 us against json.dumps' 6); what orjson refuses (a lone surrogate in a string the client sent)
+    is written by json, escaped."""
     try:
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
+        return orjson.dumps(obj)
     except TypeError:  # orjson.JSONEncodeError
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One Server-Sent Event."""
+    return b"data: " + event_json(obj) + b"\n\n"
 
 
 async def stream_events(generation: Generation, fmt: ResponseFormat, base: dict[str, Any],

@@ -469,8 +469,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
 
 def _event(body: dict[str, Any]) -> bytes:
     """One Server-Sent Event as OpenAI's Responses stream writes it: its type on the `event:` line."""
-    return b"event: " + body["type"].encode() + b"\ndata: " + json.dumps(body, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return b"event: " + body["type"].encode() + b"\ndata: " + generation.event_json(body) + b"\n\n"
 
 
 def _new_id(prefix: str) -> str:

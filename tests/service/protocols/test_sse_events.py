@@ -29,3 +29,13 @@ def test_a_lone_surrogate_is_written_escaped() -> None:
     chunk = {"choices": [{"index": 0, "text": "a\ud800b"}]}
     body = sse(chunk)
     assert b"\\ud800" in body and _event(body) == chunk
+
+
+def test_a_responses_event_is_written_the_same_way() -> None:
+    from service.protocols.responses_api import _event
+
+    body = {"type": "response.output_text.delta", "delta": "é 日本\n", "output_index": 0}
+    event = _event(body)
+    head, _, data = event.partition(b"\n")
+    assert head == b"event: response.output_text.delta"
+    assert data == sse(body)  # the data line as every other stream's
