@@ -66,6 +66,18 @@ def _spinning(text: str) -> str:
         raise ValueError(f"expected one of {', '.join(SPINNING)} (or a boolean), got {text!r}") from None
 
 
+def _interval(text: str) -> float | None:
+    """`--stream-interval-ms`: milliseconds, or auto (None: chosen by the cores the model leaves free,
+    service.engine.text.delivery)."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected milliseconds or auto, got {text!r}") from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
@@ -130,7 +142,9 @@ class Settings:
     max_choices_per_request: int = 16  # sequences one completion request generates: prompts x best_of (or n)
     # The decode loop hands its tokens to the event loop at most this often (each stream still sends one event per
     # step, several steps' events in one write): fewer wake-ups and socket writes a token, tokens later by up to this
-    stream_interval_ms: float = 1.0
+    # (a sequence's first token and its end never wait); None: auto, by the cores the model's threads leave free
+    # (service.engine.text.delivery)
+    stream_interval_ms: float | None = None
     # A prompt longer than this that arrives while other sequences decode is prefilled this many tokens a step,
     # between their decode steps (chunked prefill), so it holds each of their steps up for one chunk's time instead
     # of the whole prompt's; 0: prompts are prefilled whole
@@ -208,7 +222,7 @@ class Settings:
                      "warmup_calls", "prefill_chunk_tokens", "prefix_cache_mb"):
             if values[name] < 0:
                 raise ValueError(f"{name} must not be negative, got {values[name]}")
-        if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+        if self.stream_interval_ms is not None and not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
             raise ValueError(f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS:g}, got "
                              f"{self.stream_interval_ms}")
         for name in ("request_timeout_s", "graceful_timeout_s", "header_timeout_s", "body_timeout_s",
@@ -277,9 +291,10 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_prompts_per_request", int, "generation: prompts in one /v1/completions request", "N"),
     _Option("max_choices_per_request", int, "generation: sequences one /v1/completions request generates "
             "(prompts x best_of, or x n)", "N"),
-    _Option("stream_interval_ms", float, "generation: the decode loop hands its tokens to the streams at most this "
-            "often; each stream still gets one event per step, several steps' events in one write (fewer wake-ups and "
-            "socket writes a token, each token later by up to this)", "MS"),
+    _Option("stream_interval_ms", _interval, "generation: the decode loop hands its tokens to the streams at most "
+            "this often; each stream still gets one event per step, several steps' events in one write (fewer "
+            "wake-ups and socket writes a token, each token later by up to this; a sequence's first token and its "
+            "end go at once); auto: 20 where the model's threads take every core, else 1", "MS"),
     _Option("prefill_chunk_tokens", int, "generation: a prompt longer than this arriving while other sequences "
             "decode is prefilled this many tokens a step, between their steps (0: whole prompts)", "N"),
     _Option("prefix_cache_mb", float, "generation: MiB of KV cache kept per model for prompts' shared starts (a "

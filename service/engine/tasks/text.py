@@ -21,6 +21,7 @@ from service.engine.backends.base import TextBackend
 from service.engine.entry import InferCall, InferResult, ModelEntry, ModelRuntime, ServedTask, TaskModel
 from service.engine.tasks.shapes import compare, session_shapes
 from service.engine.text import TextScheduler
+from service.engine.text.delivery import stream_interval_s
 from service.engine.warmup import DECODE_STEPS, prompt_lengths
 
 
@@ -128,7 +129,7 @@ class TextRuntime(ModelRuntime):
                                                      executor, metrics, settings.max_running_sequences,
                                                      settings.max_waiting_sequences,
                                                      output_function=entry.config.get("output_function"),
-                                                     handoff_interval_s=settings.stream_interval_ms / 1000,
+                                                     handoff_interval_s=stream_interval_s(settings),
                                                      prefill_chunk=settings.prefill_chunk_tokens,
                                                      prefix_cache_bytes=int(settings.prefix_cache_mb * (1 << 20)))
 

@@ -365,15 +365,17 @@ class TextScheduler:
 
     def _hand_off(self, deltas: list[SequenceDelta], loop: asyncio.AbstractEventLoop) -> None:
         """Queue a step's results for the loop, waking it only when no drain is queued yet and handoff_interval_s
-        have passed since the last wake-up (or HANDOFF_MAX_STEPS steps wait). A wake-up (a write to the loop's
-        self-pipe) switches threads: the loop takes the GIL and, on loaded cores, the worker's CPU (profiled on
-        the demo model: up to 0.8 ms a wake-up, more than a step). A fast model now hands over several steps per
-        wake-up, each still applied as its own step (one stream event per step); what is queued when the worker
-        returns is drained by _run. Deque appends/pops and the flag are GIL-atomic; the loop clears the flag
-        before draining, so nothing is left behind."""
+        have passed since the last wake-up (or HANDOFF_MAX_STEPS steps wait, or the step holds a sequence's first
+        token, its end or its failure: the interval never delays a time to first token or a request's end). A
+        wake-up (a write to the loop's self-pipe) switches threads: the loop takes the GIL and, on loaded cores,
+        the worker's CPU (profiled on the demo model: up to 0.8 ms a wake-up, more than a step). A fast model now
+        hands over several steps per wake-up, each still applied as its own step (one stream event per step); what
+        is queued when the worker returns is drained by _run. Deque appends/pops and the flag are GIL-atomic; the
+        loop clears the flag before draining, so nothing is left behind."""
         self._handoff.append(deltas)
         now = time.perf_counter()
-        due = now - self._last_wake >= self.handoff_interval_s or len(self._handoff) >= HANDOFF_MAX_STEPS
+        due = (now - self._last_wake >= self.handoff_interval_s or len(self._handoff) >= HANDOFF_MAX_STEPS
+               or any(d.start == 0 or d.finish_reason is not None or d.error is not None for d in deltas))
         if not self._drain_queued and due:
             self._drain_queued, self._last_wake = True, now
             loop.call_soon_threadsafe(self._drain)

@@ -24,7 +24,9 @@ def test_settings_come_from_env_and_cli_with_cli_winning() -> None:
 
 @pytest.mark.parametrize("env", [{"MULTIMAX_SERVE_PORT": "x"}, {"MULTIMAX_SERVE_BACKEND": "tpu"},
                                  {"MULTIMAX_SERVE_MAX_BATCH_SIZE": "0"}, {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "-1"},
-                                 {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "101"}])
+                                 {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "101"},
+                                 {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "soon"},
+                                 {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": "nan"}])
 def test_bad_settings_exit_2_with_one_line(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         load_settings([], env)
@@ -58,3 +60,10 @@ def test_ort_spinning_refuses_anything_else(capsys: pytest.CaptureFixture[str]) 
         load_settings(["--ort-spinning", "sometimes"], {})
     assert exc.value.code == 2
     assert "sometimes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "ms"), [("auto", None), (" AUTO ", None), ("0", 0.0), ("20", 20.0), ("2.5", 2.5)])
+def test_stream_interval_takes_milliseconds_or_auto(value: str, ms: float | None) -> None:
+    assert load_settings(["--stream-interval-ms", value], {}).stream_interval_ms == ms
+    assert load_settings([], {"MULTIMAX_SERVE_STREAM_INTERVAL_MS": value}).stream_interval_ms == ms
+    assert load_settings([], {}).stream_interval_ms is None  # auto unless given

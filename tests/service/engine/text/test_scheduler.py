@@ -244,8 +244,67 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
         assert drains <= 40 // scheduler.HANDOFF_MAX_STEPS + 4, drains
 
 
+def test_a_first_token_and_an_end_reach_the_loop_at_once_whatever_the_interval(
+        monkeypatch: pytest.MonkeyPatch, service_text_model: Any) -> None:
+    """With an interval (and a worker slice) longer than the whole generation, a mid-stream step never wakes the
+    loop, but a sequence's first token and its end do: the stream starts while the model runs, and a short
+    sequence ends while its long batch-mate still decodes."""
+    from service.engine.text import scheduler
+
+    monkeypatch.setattr(scheduler, "STEPS_SLICE_S", 60.0)
+    monkeypatch.setattr(scheduler, "HANDOFF_MAX_STEPS", 10**9)
+    seen: dict[str, tuple[int, bool]] = {}
+    drains = 0
+
+    async def main() -> tuple[GenSequence, GenSequence]:
+        nonlocal drains
+        sched = _scheduler("onnxruntime")
+        sched.handoff_interval_s = 60.0
+        drain = sched._drain
+
+        def counting() -> None:
+            nonlocal drains
+            drains += 1
+            drain()
+
+        monkeypatch.setattr(sched, "_drain", counting)
+        run_text = sched.backend.run_text
+
+        def slow(*args: Any, **kwargs: Any) -> Any:  # every step takes a while: the end is far from the start
+            import time
+
+            time.sleep(0.002)
+            return run_text(*args, **kwargs)
+
+        monkeypatch.setattr(sched.backend, "run_text", slow)
+        sched.start()
+        long = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=100, temperature=0.0))
+        short = GenSequence(TOK.encode("If the"), SamplingParams(max_tokens=5, temperature=0.0))
+        sched.submit([long, short])
+        await _wait(long, 1)
+        seen["first"] = (long.generated, long.done)
+        await _wait(short)
+        seen["short end"] = (long.generated, long.done)
+        await _wait(long)
+        await sched.close()
+        return long, short
+
+    long, short = asyncio.run(main())
+    assert seen["first"] == (1, False)  # the first token alone, long before the end
+    generated, done = seen["short end"]
+    assert 5 <= generated < 100 and not done
+    assert short.finish_reason == long.finish_reason == "length" and long.generated == 100
+    assert long.tokens == generate(service_text_model, TOK.encode("Return the"), 100, temperature=0.0)[0]
+    assert drains <= 4, drains  # first tokens, the short one's end, the last step (and _run's own drain)
+
+
 def test_stream_interval_ms_is_each_decode_loops_hand_off_interval() -> None:
-    assert load_settings([], {}).stream_interval_ms == 1.0
+    from service.engine.text.delivery import stream_interval_s
+
+    auto = load_settings(["--models", "text_multimax"], {})
+    assert auto.stream_interval_ms is None
+    loops = [rt.scheduler for rt in create_app(auto).state.runtimes.models.values() if hasattr(rt, "scheduler")]
+    assert loops and all(loop.handoff_interval_s == stream_interval_s(auto) for loop in loops)
     settings = load_settings(["--stream-interval-ms", "4.5", "--models", "text_multimax"], {})
     loops = [rt.scheduler for rt in create_app(settings).state.runtimes.models.values() if hasattr(rt, "scheduler")]
     assert loops and all(loop.handoff_interval_s == 0.0045 for loop in loops)
