@@ -24,6 +24,9 @@ from service.engine.text.sequence import GenSequence, groups
 # submissions keep coming less than BURST_GAP_S apart, for at most BURST_MAX_S in all
 BURST_GAP_S = 0.002
 BURST_MAX_S = 0.02
+# ... and where idle starts have lately had such company, the first wait (one client's 16 requests reach the
+# server up to a few milliseconds apart)
+BURST_FIRST_S = 0.005
 # A prompt longer than this that arrives while other sequences decode is prefilled this many tokens a step, each
 # chunk after a decode step of the running rows (the default of --prefill-chunk-tokens; 0: whole prompts)
 PREFILL_CHUNK_TOKENS = 512

@@ -111,6 +111,50 @@ def test_an_idle_model_prefills_a_burst_of_arrivals_together(service_text_model:
         assert seq.tokens == generate(service_text_model, TOK.encode(prompt), 6, temperature=0.0)[0], prompt
 
 
+def test_an_idle_model_that_has_seen_bursts_waits_for_arrivals_later_than_two_loop_turns(
+        service_text_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst's requests can reach the scheduler milliseconds apart (one client process sending them): the first
+    is prefilled alone while the others wait for it. Once idle starts have had such company, the next idle start
+    waits BURST_FIRST_S for it; lone requests never wait. (Gaps widened against a loaded machine's timer lag.)"""
+    from service.engine.text import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "BURST_FIRST_S", 0.2)
+    monkeypatch.setattr(scheduler_module, "BURST_MAX_S", 0.4)
+
+    async def pair(sched: TextScheduler, prompts: tuple[str, str]) -> list[GenSequence]:
+        seqs = [GenSequence(TOK.encode(p), SamplingParams(max_tokens=4, temperature=0.0)) for p in prompts]
+        sched.submit(seqs[:1])
+        await asyncio.sleep(0.02)  # the second request of the burst, later than two loop turns
+        sched.submit(seqs[1:])
+        for seq in seqs:
+            await _wait(seq)
+        await asyncio.sleep(0.6)  # idle again, longer than BURST_MAX_S
+        return seqs
+
+    async def main() -> tuple[TextScheduler, list[int], list[GenSequence]]:
+        sched = _scheduler("onnxruntime")
+        sched.start()
+        for _ in range(2):  # lone requests, further apart than BURST_MAX_S: no company, no waiting
+            seq = GenSequence(TOK.encode("A"), SamplingParams(max_tokens=2, temperature=0.0))
+            sched.submit([seq])
+            await _wait(seq)
+            await asyncio.sleep(0.6)
+        prefills = [sched.steps["prefill"]]
+        assert sched.steps["burst_waits"] == 0 and sched._bursty == 0.0
+        seqs = await pair(sched, ("Return the", "If the file is"))  # learned from: prefilled one at a time
+        prefills.append(sched.steps["prefill"])
+        seqs += await pair(sched, ("This module provides the", "The"))  # gathered: one prefill of both
+        prefills.append(sched.steps["prefill"])
+        await sched.close()
+        return sched, prefills, seqs
+
+    sched, prefills, seqs = asyncio.run(main())
+    assert prefills == [2, 4, 5], prefills
+    assert sched.steps["burst_waits"] == 1
+    for prompt, seq in zip(("Return the", "If the file is", "This module provides the", "The"), seqs, strict=True):
+        assert seq.tokens == generate(service_text_model, TOK.encode(prompt), 4, temperature=0.0)[0], prompt
+
+
 def test_the_scheduler_tells_the_backend_how_far_its_cache_may_grow() -> None:
     """After each prefill the backend hears the batch's width plus the most tokens a running row may still
     generate (its max_tokens, capped by the context): what it sizes a growing cache buffer to."""
