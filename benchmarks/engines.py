@@ -32,8 +32,9 @@ of the tokenized corpus (a BOS first), the same ids to every engine.
 Each figure is output tokens/s over all streams (tokens asked for / wall time from the first send to the last
 token), time to first token p50 (from each request's send) and inter-token latency p50/p99 (gaps between a stream's
 SSE events or, for genai, its decode steps). The ratios server/genai and server/llama.cpp (same precision) are
-medians of per-round ratios; each round runs every engine once per stream count, in alternating order. Exit status
-2 with one line for bad input; loopback only.
+medians of per-round ratios; each round runs every engine once per stream count, in alternating order, each after
+a pause of 0.25 s (genai_vs_server.SETTLE_S: onnxruntime-genai's spinning threads slowed the engine after it).
+Exit status 2 with one line for bad input; loopback only.
 """
 
 from __future__ import annotations
@@ -518,7 +519,7 @@ def _main(argv: list[str] | None, shape: Shape) -> int:
                         url = llama_url(prec, n)  # started (and warmed) outside the timed calls
                         calls[label(engine, prec)] = partial(gvs.server_run, url, "model", requests, n)
                 order = list(calls) if rnd % 2 == 0 else list(reversed(calls))
-                got = {k: calls[k]() for k in order}
+                got = {k: gvs.settled(calls[k]) for k in order}
                 for k, run in got.items():
                     results[k].setdefault(n, []).append(run)
                 for prec in precisions:

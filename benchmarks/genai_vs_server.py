@@ -75,6 +75,11 @@ class Run:
 
 
 Request = tuple[list[int], int]  # a prompt's token ids and the tokens asked for
+# A pause before each timed call: what the call before left running took 20-100 ms to stop (onnxruntime-genai's
+# pool threads spin on after its loop; llama-server's threads poll) and slowed whatever came next. Measured: the
+# server's time to first token right after a genai run 71 ms (median of 6), after a pause of 0.1 s 45 ms, 0.5 s
+# 47 ms; 20 ms was not enough (63 ms).
+SETTLE_S = 0.25
 REQUESTS_PER_STREAM = 4  # the varied workload's requests per stream
 
 
@@ -453,6 +458,12 @@ def server_run(base: str, name: str, requests: list[Request], streams: int) -> R
 # ---- report ----------------------------------------------------------------------------------------------------
 
 
+def settled(call: Callable[[], Run]) -> Run:
+    """`call()` once the cores are quiet again (SETTLE_S): each contender starts as the first would."""
+    time.sleep(SETTLE_S)
+    return call()
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
@@ -540,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                 if other is not None:
                     ways["base"] = partial(server_run, other, folder.name, requests, n)
                 order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
-                got = {k: ways[k]() for k in order}
+                got = {k: settled(ways[k]) for k in order}
                 for k, run in got.items():
                     results[k].setdefault(n, []).append(run)
                 ratios["server/genai"].setdefault(n, []).append(got["server"].tok_s / got["genai"].tok_s)

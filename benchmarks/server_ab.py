@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ def measure(sides: list[Side], streams: list[int], rounds: int, prompt_len: int,
             for n in streams:
                 requests = [(p, max_tokens) for p in gvs.prompts(vocab, n, prompt_len, 1000 * rnd + n)]
                 for s in (sides if rnd % 2 == 0 else sides[::-1]):
-                    runs[s.label][n].append(gvs.server_run(bases[s.label], s.folder.name, requests, n))
+                    runs[s.label][n].append(gvs.settled(partial(gvs.server_run, bases[s.label], s.folder.name,
+                                                                requests, n)))
                 print(f"round {rnd + 1} streams {n}: " + ", ".join(
                     f"{s.label} {runs[s.label][n][-1].tok_s:.1f} tok/s" for s in sides), flush=True)
     first = sides[0].label
