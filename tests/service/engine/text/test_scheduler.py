@@ -253,6 +253,19 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step() -> None:
     asyncio.run(main())
 
 
+def _counting_drains(sched: TextScheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the loop's drains of the worker's hand-offs (its wake-ups)."""
+    drains = [0]
+    drain = sched._drain
+
+    def counting() -> None:
+        drains[0] += 1
+        drain()
+
+    monkeypatch.setattr(sched, "_drain", counting)
+    return drains
+
+
 @pytest.mark.parametrize("interval", [0.0, 60.0])
 def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_its_wake_ups(
         interval: float, monkeypatch: pytest.MonkeyPatch, service_text_model: Any) -> None:
@@ -261,19 +274,13 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
     one event for), and the tokens are the reference generation's."""
     from service.engine.text import scheduler
 
-    drains = 0
+    drains = [0]
 
     async def main() -> GenSequence:
+        nonlocal drains
         sched = _scheduler("onnxruntime")
         sched.handoff_interval_s = interval
-        drain = sched._drain
-
-        def counting() -> None:
-            nonlocal drains
-            drains += 1
-            drain()
-
-        monkeypatch.setattr(sched, "_drain", counting)
+        drains = _counting_drains(sched, monkeypatch)
         sched.start()
         seq = GenSequence(TOK.encode("Return the"), SamplingParams(max_tokens=40, temperature=0.0))
         sched.submit([seq])
@@ -285,7 +292,7 @@ def test_every_step_reaches_the_loop_as_its_own_step_however_the_worker_batches_
     assert seq.tokens == generate(service_text_model, TOK.encode("Return the"), 40, temperature=0.0)[0]
     assert seq.finish_reason == "length" and seq.steps == list(range(1, 41))
     if interval:  # one wake-up per HANDOFF_MAX_STEPS steps, plus a drain each time the worker returns
-        assert drains <= 40 // scheduler.HANDOFF_MAX_STEPS + 4, drains
+        assert drains[0] <= 40 // scheduler.HANDOFF_MAX_STEPS + 4, drains
 
 
 def test_a_first_token_and_an_end_reach_the_loop_at_once_whatever_the_interval(
@@ -298,20 +305,13 @@ def test_a_first_token_and_an_end_reach_the_loop_at_once_whatever_the_interval(
     monkeypatch.setattr(scheduler, "STEPS_SLICE_S", 60.0)
     monkeypatch.setattr(scheduler, "HANDOFF_MAX_STEPS", 10**9)
     seen: dict[str, tuple[int, bool]] = {}
-    drains = 0
+    drains = [0]
 
     async def main() -> tuple[GenSequence, GenSequence]:
         nonlocal drains
         sched = _scheduler("onnxruntime")
         sched.handoff_interval_s = 60.0
-        drain = sched._drain
-
-        def counting() -> None:
-            nonlocal drains
-            drains += 1
-            drain()
-
-        monkeypatch.setattr(sched, "_drain", counting)
+        drains = _counting_drains(sched, monkeypatch)
         run_text = sched.backend.run_text
 
         def slow(*args: Any, **kwargs: Any) -> Any:  # every step takes a while: the end is far from the start
@@ -339,7 +339,7 @@ def test_a_first_token_and_an_end_reach_the_loop_at_once_whatever_the_interval(
     assert 5 <= generated < 100 and not done
     assert short.finish_reason == long.finish_reason == "length" and long.generated == 100
     assert long.tokens == generate(service_text_model, TOK.encode("Return the"), 100, temperature=0.0)[0]
-    assert drains <= 4, drains  # first tokens, the short one's end, the last step (and _run's own drain)
+    assert drains[0] <= 4, drains  # first tokens, the short one's end, the last step (and _run's own drain)
 
 
 def test_stream_interval_ms_is_each_decode_loops_hand_off_interval() -> None:
