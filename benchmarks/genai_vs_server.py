@@ -307,15 +307,19 @@ def direct_loop(backend: Any, batch: list[list[int]], asked: list[int] | int) ->
 # ---- the server's decode loop without HTTP ---------------------------------------------------------------------
 
 
-def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int) -> tuple[Run, list[list[int]]]:
+def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int,
+                threads: int = 0) -> tuple[Run, list[list[int]]]:
     """`streams` clients each submitting its next request to a TextScheduler (the server's, with the server's
-    default limits) over `backend` when its last one has finished, greedy with ignore_eos as the server's
-    requests; a token's time is when the event loop sees it."""
+    default limits and the hand-off interval its `--stream-interval-ms auto` picks for `threads` intra-op threads)
+    over `backend` when its last one has finished, greedy with ignore_eos as the server's requests; a token's time
+    is when the event loop sees it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from models.tokenizer import tokenizer_from_dict
     from service.__main__ import SWITCH_INTERVAL_S
+    from service.base.config import Settings
     from service.base.metrics import Metrics
+    from service.engine.text.delivery import stream_interval_s
     from service.engine.text.sampler import SamplingParams
     from service.engine.text.scheduler import GenSequence, TextScheduler
 
@@ -324,7 +328,8 @@ def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int)
     async def main() -> tuple[Run, list[list[int]]]:
         with ThreadPoolExecutor(1) as executor:
             scheduler = TextScheduler(entry.name, backend, tokenizer, entry.context_length, executor, Metrics(),
-                                      max_running=64, max_waiting=256)
+                                      max_running=64, max_waiting=256,
+                                      handoff_interval_s=stream_interval_s(Settings(intra_op_threads=threads)))
             scheduler.start()
             seqs = [GenSequence(list(p), SamplingParams(m, temperature=0.0, ignore_eos=True)) for p, m in requests]
             stamps: list[list[float]] = [[] for _ in seqs]
@@ -533,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         p = prompts(vocab, 1, args.prompt_len, 0)
         ref = genai_generator(model, p, 8)[1][0]
         direct = direct_loop(backend, p, 8)[1][0]
-        engine = engine_loop(entry, backend, [(p[0], 8)], 1)[1][0]
+        engine = engine_loop(entry, backend, [(p[0], 8)], 1, args.threads)[1][0]
         server_run(base, folder.name, [(p[0], 8)], 1)
         if other is not None:
             server_run(other, folder.name, [(p[0], 8)], 1)
@@ -547,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                     "genai": partial(_first, static_batches, batched, requests, n),
                     "server": partial(server_run, base, folder.name, requests, n),
                     "direct": partial(_first, static_batches, partial(direct_loop, backend), requests, n),
-                    "engine": partial(_first, engine_loop, entry, backend, requests, n)}
+                    "engine": partial(_first, engine_loop, entry, backend, requests, n, args.threads)}
                 if other is not None:
                     ways["base"] = partial(server_run, other, folder.name, requests, n)
                 order = list(ways) if rnd % 2 == 0 else list(reversed(ways))
