@@ -394,10 +394,11 @@ class TextScheduler:
         is queued when the worker returns is drained by _run. Deque appends/pops and the flag are GIL-atomic; the
         loop clears the flag before draining, so nothing is left behind."""
         self._handoff.append(deltas)
+        if self._drain_queued:  # the queued drain takes this step too: nothing to decide
+            return
         now = time.perf_counter()
-        due = (now - self._last_wake >= self.handoff_interval_s or len(self._handoff) >= HANDOFF_MAX_STEPS
-               or any(d.start == 0 or d.finish_reason is not None or d.error is not None for d in deltas))
-        if not self._drain_queued and due:
+        if (now - self._last_wake >= self.handoff_interval_s or len(self._handoff) >= HANDOFF_MAX_STEPS
+                or any(d.start == 0 or d.finish_reason is not None or d.error is not None for d in deltas)):
             self._drain_queued, self._last_wake = True, now
             loop.call_soon_threadsafe(self._drain)
 
