@@ -27,6 +27,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from export.genai_fusions import fuse_decoder, fusion_metadata
 from export.onnx_export import DEFAULT_OPSET, ExportError, _finish, _trace, text_spec_of
 from export.precision import DTYPES, Precision
 from models import onnx_contract as contract
@@ -116,9 +117,10 @@ class _SharedCacheDecoder(nn.Module):
 
 def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET,
                       verbose: bool = False, precision: Precision = "fp32", spec: TextSpec | None = None,
-                      layers: list[AttentionLayer] | None = None) -> Path:
+                      layers: list[AttentionLayer] | None = None, fuse: bool = True) -> Path:
     """Export the shared-buffer decoder graph to `out`, atomically, with every function body attached
-    (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize).
+    (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize), its small
+    nodes fused where `fuse` (export.genai_fusions).
 
     `spec` (the checkpoint's description) and `layers` (the model's `attention_layers()`): what the caller computed
     for this export (export.genai_folder), else computed here. fp16 traces a copy in fp16, whose layers are its own
@@ -153,4 +155,6 @@ def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int 
     if any(a.multimax for a in layers):
         fn = ir.serde.deserialize_function(attention_function_proto(opset))
         program.model.functions[fn.identifier()] = fn
-    return _finish(program, ckpt, out, opset, inline=False, precision=precision, spec=spec)
+    context = spec.context_length
+    return _finish(program, ckpt, out, opset, inline=False, precision=precision, spec=spec,
+                   rewrite=(lambda proto: fusion_metadata(fuse_decoder(proto, context))) if fuse else None)

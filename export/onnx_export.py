@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -205,9 +206,10 @@ def _trace(
 
 def _finish(
     program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision,
-    spec: ModelSpec,
+    spec: ModelSpec, rewrite: Callable[[onnx.ModelProto], dict[str, str]] | None = None,
 ) -> Path:
-    """Attach the MultiMax function bodies (or inline them), quantize if asked, add the metadata, write atomically."""
+    """Attach the MultiMax function bodies (or inline them), rewrite (a pass that returns metadata entries),
+    quantize if asked, add the metadata, write atomically."""
     # the other reweighting functions' bodies only where the graph uses them (MultiMax files stay as they were)
     used = {n.op_type for n in program.model.graph.all_nodes() if n.domain == ONNX_DOMAIN}
     for proto in function_protos(opset, used | set(multimax_op_types())):
@@ -221,9 +223,10 @@ def _finish(
         kept = [o for o in proto.opset_import if o.domain != ONNX_DOMAIN]
         del proto.opset_import[:]
         proto.opset_import.extend(kept)
+    extra = rewrite(proto) if rewrite is not None else {}
     if precision == "int8":
         proto = quantize_int8(proto)
-    for key, value in metadata(ckpt, opset, inline, precision, spec).items():
+    for key, value in (metadata(ckpt, opset, inline, precision, spec) | extra).items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     return save_atomic(proto, out)
 

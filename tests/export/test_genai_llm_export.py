@@ -25,6 +25,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from export.cli import main  # noqa: E402
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE, REPORT_FILE  # noqa: E402
+from export.genai_fusions import FUSIONS_KEY  # noqa: E402
 from export.genai_validate import genai_greedy, without_library  # noqa: E402
 from models.checkpoint import load  # noqa: E402
 from models.fairseq_dict import load_tokenizer  # noqa: E402
@@ -120,7 +121,15 @@ def test_hf_folder_exports_for_onnxruntime_genai(name: str, nodes: set[str], kv_
     tokenizer = report["validation"]["genai"]["tokenizer"]
     assert tokenizer["identical"] == tokenizer["texts"]
     proto = onnx.load(str(folder / MODEL_FILE))
-    assert {n.op_type for n in proto.graph.node if n.domain} == nodes
+    # the graph's small nodes fused (export.genai_fusions), in every layer of each architecture, and the greedy
+    # tokens above still PyTorch's: q/k/v and gate/up one MatMul each, RoPE one node for q and one for k, the
+    # residual Add and the RMSNorm after it one node (all norms but the embeddings')
+    assert {n.op_type for n in proto.graph.node if n.domain} == nodes | {"RotaryEmbedding",
+                                                                         "SkipSimplifiedLayerNormalization"}
+    fusions = json.loads(next(p.value for p in proto.metadata_props if p.key == FUSIONS_KEY))
+    layers = info.config.n_layer
+    assert (fusions["RotaryEmbedding"], fusions["SkipSimplifiedLayerNormalization"], fusions["packed MatMul"]) == (
+        2 * layers, 2 * layers, 5 * layers), fusions
     assert sum(n.op_type == "MultiMaxSigma" for n in proto.graph.node) == 1  # the SegLU: one node on the logits
     past = next(i for i in proto.graph.input if i.name == "past_key_values.0.key")
     assert past.type.tensor_type.shape.dim[1].dim_value == kv_cache  # key/value heads, not the 4 query heads
@@ -198,7 +207,7 @@ def test_int4_folder_reports_deltas(hf_folders: dict[str, Path], tmp_path: Path)
     code, out, err = export([str(hf_folders["llama"]), "-o", str(folder), "--int4", "--samples", "8"])
     assert code == 0, out + err
     proto = onnx.load(str(folder / MODEL_FILE))
-    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 2 * 7 + 1  # q k v o gate up down, lm_head
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 2 * 4 + 1  # qkv o gate+up down, lm_head
     assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in
                 {i.name for i in proto.graph.initializer}]
     report = json.loads((folder / REPORT_FILE).read_text())
