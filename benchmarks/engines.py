@@ -24,10 +24,11 @@ cannot, and runs the plain model.
                                  [--llama-cpp DIR] [--seglu] [-o report.json]
 
 Everything built (the folder, the exports, the GGUFs) is kept under --work, keyed by the shape and seed, and reused
-by the next run. llama.cpp runs only when found: --llama-cpp DIR (or $LLAMA_CPP_DIR) holding bin/llama-server,
-bin/llama-quantize and convert_hf_to_gguf.py (with its gguf-py and conversion/), or llama-server on PATH with the
-converter in the folder above its bin/; its converter needs `sentencepiece` installed. Prompts are 32-token windows
-of the tokenized corpus (a BOS first), the same ids to every engine.
+by the next run (an export that other export code made is made anew). llama.cpp runs only when found: --llama-cpp
+DIR (or $LLAMA_CPP_DIR) holding bin/llama-server, bin/llama-quantize and convert_hf_to_gguf.py (with its gguf-py
+and conversion/), or llama-server on PATH with the converter in the folder above its bin/; its converter needs
+`sentencepiece` installed. Prompts are 32-token windows of the tokenized corpus (a BOS first), the same ids to every
+engine.
 
 Each figure is output tokens/s over all streams (tokens asked for / wall time from the first send to the last
 token), time to first token p50 (from each request's send) and inter-token latency p50/p99 (gaps between a stream's
@@ -61,6 +62,7 @@ import numpy as np
 
 from benchmarks import genai_vs_server as gvs
 from benchmarks.server import ROOT, start, stop
+from service.engine.folder_export import code_identity
 
 ENGINES = ("server", "genai", "llama.cpp")
 PRECISIONS = ("fp32", "int4", "q8_0")
@@ -68,6 +70,7 @@ PRECISIONS = ("fp32", "int4", "q8_0")
 GGUF_TYPE = {"fp32": "f32", "int4": "q4_0", "q8_0": "q8_0"}
 SPECIALS = ("<unk>", "<s>", "</s>")  # Llama 2's ids 0, 1, 2
 BOS, EOS = 1, 2
+MADE_BY = ".made-by"  # inside an export folder: the digest of the export code that made it
 SEGLU_ROW = 5  # the paper's Table 8, last row: the SegLU head's (ranges, ts)
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -275,11 +278,16 @@ def llama_server(llama: LlamaCpp, gguf: Path, parallel: int, threads: int, slot_
 # ---- what is built once and kept ---------------------------------------------------------------------------
 
 
-def _made(path: Path, make: Callable[[Path], None]) -> Path:
+def _made(path: Path, make: Callable[[Path], None], made_by: str = "") -> Path:
     """`path`, made by `make(tmp)` beside it and renamed into place when it is missing: a run stopped halfway
-    leaves no half-made folder that the next run would take for a made one."""
-    if path.exists():
+    leaves no half-made folder that the next run would take for a made one. `made_by` (a folder's): what made it
+    (the export code's digest), kept in MADE_BY inside; a folder another code made is made anew."""
+    stamp = path / MADE_BY
+    if path.exists() and (not made_by or (stamp.is_file() and stamp.read_text() == made_by)):
         return path
+    if path.is_dir():
+        print(f"{path} was made by other export code: making it anew", flush=True)
+        shutil.rmtree(path)
     tmp = path.with_name(path.name + ".partial")
     if tmp.is_dir():
         shutil.rmtree(tmp)
@@ -288,6 +296,8 @@ def _made(path: Path, make: Callable[[Path], None]) -> Path:
     print(f"making {path}", flush=True)
     t0 = time.perf_counter()
     make(tmp)
+    if made_by:
+        (tmp / MADE_BY).write_text(made_by)
     tmp.rename(path)
     print(f"  {time.perf_counter() - t0:.1f} s", flush=True)
     return path
@@ -319,7 +329,8 @@ def build(work: Path, shape: Shape, seed: int, seglu: bool, precisions: list[str
     if ours:
         for prec in (p for p in precisions if p in ("fp32", "int4")):
             name = f"onnx-{'seglu-' if seglu else ''}{prec}"
-            exports[prec] = _made(root / name, partial(_export_into, served, prec, threads, samples))
+            exports[prec] = _made(root / name, partial(_export_into, served, prec, threads, samples),
+                                  made_by=code_identity())
     ggufs: dict[str, Path] = {}
     if llama is not None:
         f32 = _made(root / "model-f32.gguf", partial(_gguf_into, llama, hf, None, "f32", threads))

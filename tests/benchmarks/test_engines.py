@@ -137,6 +137,23 @@ def test_made_replaces_a_half_made_artifact(tmp_path: Path) -> None:
     assert engines._made(tmp_path / "x", lambda p: pytest.fail("made twice")) == made
 
 
+def test_made_remakes_an_export_that_other_export_code_made(tmp_path: Path) -> None:
+    def make(p: Path) -> None:
+        p.mkdir()
+        (p / "model.onnx").write_text(str(len(calls)))
+        calls.append(p)
+
+    calls: list[Path] = []
+    made = engines._made(tmp_path / "onnx", make, made_by="code-a")
+    assert engines._made(tmp_path / "onnx", make, made_by="code-a") == made and len(calls) == 1
+    engines._made(tmp_path / "onnx", make, made_by="code-b")  # the export code changed: its folder is stale
+    assert len(calls) == 2 and (made / "model.onnx").read_text() == "1"
+    assert (made / engines.MADE_BY).read_text() == "code-b"
+    (tmp_path / "old").mkdir()  # a folder from before the stamp: made anew too
+    engines._made(tmp_path / "old", make, made_by="code-b")
+    assert len(calls) == 3 and (tmp_path / "old" / engines.MADE_BY).is_file()
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
