@@ -6,8 +6,8 @@ most of them on a few hundred numbers, where one kernel launch costs more than t
 none of these three shapes. Rewritten, as onnxruntime-genai's own model builder writes them:
 
 - a residual Add and the RMSNorm of its sum (Pow 2, ReduceMean over the last axis, Add eps, Sqrt, Reciprocal, Mul
-  by the sum, Mul by the weight) -> `com.microsoft::SkipSimplifiedLayerNormalization` (the sum is its fourth
-  output where anything else reads it);
+  by the sum, Mul by the weight; in an fp16 graph the same in fp32 between two Casts) ->
+  `com.microsoft::SkipSimplifiedLayerNormalization` (the sum is its fourth output where anything else reads it);
 - rotate-half RoPE on (batch, heads, sequence, head) -> `com.microsoft::RotaryEmbedding` over caches of cos and
   sin that the graph's own position subgraph computes for positions 0 .. context-1, so whatever the model does to
   its frequencies (scaling, an attention factor) is in them exactly; a projection reshaped to heads and flattened
@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper
 MS_DOMAIN = "com.microsoft"
 FUSIONS_KEY = "graph_fusions"
 COS_CACHE, SIN_CACHE = "rope_cos_cache", "rope_sin_cache"
-_RMS_CHAIN = ("ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul", "Mul")
+_RMS_CHAIN = ("ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul")  # after Pow; then (a Cast and) the weight's Mul
 _TO_HEADS = [0, 2, 1, 3]  # (B, S, N, H) <-> (B, N, S, H)
 
 
@@ -124,9 +124,10 @@ def _other(node: onnx.NodeProto, name: str) -> str | None:
 
 def _rms_norms(g: _Graph) -> Iterable[tuple[list[onnx.NodeProto], onnx.NodeProto]]:
     """RMSNorms of a residual sum, each with the Add that makes the sum: (the nodes, in graph order, the fused
-    node that takes the Add's place). A norm of anything else (the embeddings, a per-head q/k norm) stays: the
-    unfused norm has no operator of its own the ONNX checker knows (onnxruntime's SimplifiedLayerNormalization is
-    in the ONNX domain without an ONNX schema)."""
+    node that takes the Add's place). In an fp16/bf16 graph the norm is computed in fp32 between two Casts (the
+    model's own fp32 normalisation), which the fused node does inside. A norm of anything else (the embeddings, a
+    per-head q/k norm) stays: the unfused norm has no operator of its own the ONNX checker knows (onnxruntime's
+    SimplifiedLayerNormalization is in the ONNX domain without an ONNX schema)."""
     for pow_node in g.graph.node:
         if pow_node.op_type != "Pow" or g.scalar(pow_node.input[1]) != 2.0:
             continue
@@ -137,22 +138,35 @@ def _rms_norms(g: _Graph) -> Iterable[tuple[list[onnx.NodeProto], onnx.NodeProto
                 break
             chain.append(nxt)
         else:
-            _, mean, add, _, _, times_x, times_w = chain
+            _, mean, add, _, recip, times_x = chain
+            cast_out = g.only_user(times_x.output[0], "Cast")
+            times_w = g.only_user((cast_out or times_x).output[0], "Mul")
+            cast_in = g.made_by(x, "Cast")
+            half = cast_out is not None and cast_in is not None and _attr(cast_in, "to") == onnx.TensorProto.FLOAT
+            if times_w is None or (cast_out is not None and not half):
+                continue
+            source = cast_in.input[0] if half and cast_in is not None else x
             eps = g.scalar(_other(add, mean.output[0]) or "")
-            weight = _other(times_w, times_x.output[0]) or ""
+            weight = _other(times_w, (cast_out or times_x).output[0]) or ""
             axes = g.ints(mean.input[1]) if len(mean.input) > 1 else _attr(mean, "axes")
             scale = g.value(weight)
-            residual = g.made_by(x, "Add")
-            if (eps is None or scale is None or scale.ndim != 1 or _other(times_x, chain[4].output[0]) != x
+            residual = g.made_by(source, "Add")
+            if (eps is None or scale is None or scale.ndim != 1 or _other(times_x, recip.output[0]) != x
                     or axes != [-1] or _attr(mean, "keepdims", 1) != 1 or residual is None
                     or len(residual.input) != 2 or any(g.value(i) is not None for i in residual.input)):
                 continue
-            rest = [u for u in g.consumers.get(x, []) if u is not pow_node and u is not times_x]
-            keep_sum = x if rest or x in g.outputs else ""
+            # half: the fp32 copy feeds only the norm, and the norm comes back to the weight's dtype
+            if cast_out is not None and (len(g.consumers.get(x, [])) != 2 or x in g.outputs or weight not in g.init
+                                         or _attr(cast_out, "to") != g.init[weight].data_type):
+                continue
+            inside = {id(pow_node), id(times_x), id(cast_in)}
+            rest = [u for u in g.consumers.get(source, []) if id(u) not in inside]
+            keep_sum = source if rest or source in g.outputs else ""
             fused = helper.make_node("SkipSimplifiedLayerNormalization", [*residual.input, weight],
                                      [times_w.output[0], "", "", keep_sum], domain=MS_DOMAIN, epsilon=eps,
                                      name=f"{times_w.name or times_w.output[0]}/skip_rms_norm")
-            yield [residual, *chain], fused
+            casts = [cast_in, cast_out] if half else []
+            yield [residual, *chain, *[c for c in casts if c is not None], times_w], fused
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ def unfused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[onnx.Mo
         spec = text_spec_of(ckpt)
         path = export_genai_text(model, ckpt, root / f"{name}.onnx", spec=spec, fuse=False)
         out[name] = (onnx.load(str(path)), spec.context_length)
+        if name == "qwen2":  # fp16: the norms between Casts, RoPE tables in fp16
+            path = export_genai_text(model, ckpt, root / f"{name}_fp16.onnx", spec=spec, precision="fp16", fuse=False)
+            out[f"{name}_fp16"] = (onnx.load(str(path)), spec.context_length)
     return out
 
 
@@ -58,7 +61,7 @@ def _run(session: ort.InferenceSession, ids: np.ndarray, start: int, past: list[
     return session.run(None, feeds)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen2_fp16"])
 def test_fused_graph_computes_what_the_unfused_one_does(name: str,
                                                         unfused: dict[str, tuple[onnx.ModelProto, int]]) -> None:
     plain, context = unfused[name]
@@ -70,6 +73,7 @@ def test_fused_graph_computes_what_the_unfused_one_does(name: str,
     assert {"RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops and "Neg" not in ops
     assert len(fused.graph.node) < 0.7 * len(plain.graph.node)
     a, b = _session(plain), _session(fused)
+    limit = 2e-2 if name.endswith("fp16") else 1e-4  # fp16: the fused norm adds and scales before rounding
     rng = np.random.default_rng(0)
     past_shapes = [(2, *[d.dim_value for d in i.type.tensor_type.shape.dim[1:2]], 0,
                     i.type.tensor_type.shape.dim[3].dim_value) for i in plain.graph.input
@@ -86,11 +90,11 @@ def test_fused_graph_computes_what_the_unfused_one_does(name: str,
         want, got = _run(a, ids, start, past), _run(b, ids, start, past)
         for w, g in zip(want, got, strict=True):
             scale = max(1.0, float(np.abs(w).max()))
-            assert np.abs(w.astype(np.float64) - g).max() <= 1e-4 * scale, (name, start)
+            assert np.abs(w.astype(np.float64) - g).max() <= limit * scale, (name, start)
     prefill = _run(a, rng.integers(3, 200, (2, 4)).astype(np.int64), 0, empty)
     step = rng.integers(3, 200, (2, 1)).astype(np.int64)
     want, got = _run(a, step, 4, prefill[1:]), _run(b, step, 4, prefill[1:])
-    assert np.abs(want[0] - got[0]).max() <= 1e-4 * max(1.0, float(np.abs(want[0]).max()))
+    assert np.abs(want[0] - got[0]).max() <= limit * max(1.0, float(np.abs(want[0]).max()))
 
 
 def test_what_the_pass_does_not_recognise_stays(unfused: dict[str, tuple[onnx.ModelProto, int]]) -> None:

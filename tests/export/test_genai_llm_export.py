@@ -197,8 +197,12 @@ def test_fp16_folder_reports_deltas(name: str, cache: int, hf_folders: dict[str,
     assert inputs["past_key_values.0.key"] == inputs["past_key_values.1.key"] == cache
     weights = {t.data_type for t in onnx.load(str(folder / MODEL_FILE)).graph.initializer if len(t.dims) == 2}
     assert weights == {onnx.TensorProto.FLOAT16}
-    outputs = {o.name: o.type.tensor_type.elem_type for o in onnx.load(str(folder / MODEL_FILE)).graph.output}
+    proto = onnx.load(str(folder / MODEL_FILE))
+    outputs = {o.name: o.type.tensor_type.elem_type for o in proto.graph.output}
     assert outputs["logits"] == onnx.TensorProto.FLOAT
+    # fused in fp16 too: the norms' fp32 island between two Casts is one node, RoPE's tables are fp16
+    fusions = json.loads(next(p.value for p in proto.metadata_props if p.key == FUSIONS_KEY))
+    assert fusions["SkipSimplifiedLayerNormalization"] == fusions["RotaryEmbedding"] == 4, fusions
 
 
 @pytest.mark.slow
