@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= {MIN_OPSET})")
     p.add_argument("--inline", action="store_true", help="write the flat elementwise graph instead of MultiMax nodes")
     p.add_argument("--no-validate", action="store_true", help="skip the comparison with PyTorch")
+    p.add_argument("--no-fuse", action="store_true", help="onnxruntime-genai folder (-o DIR) only: keep the traced "
+                   "graph's RMSNorm, RoPE and projections as separate nodes (slower; for comparing and debugging)")
     p.add_argument("--samples", type=int, help="random inputs for validation (default: 100 vision inputs, fewer for "
                    "large models but every batch size at least once; 100 text cases)")
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,2,8")
@@ -58,6 +60,7 @@ def options_from(args: argparse.Namespace) -> ExportOptions:
         output=Path(args.output) if args.output else None,
         opset=args.opset,
         inline=args.inline,
+        fuse=not args.no_fuse,
         precision="fp16" if args.fp16 else "int8" if args.int8 else "int4" if args.int4 else "fp32",
         validate=not args.no_validate,
         samples=args.samples,

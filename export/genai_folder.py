@@ -130,13 +130,14 @@ def _write_json(path: Path, data: Any) -> None:
 def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET, verbose: bool = False,
                  with_library: bool = True, tokenizer_source: Path | None = None,
                  precision: Precision = "fp32", spec: TextSpec | None = None,
-                 layers: list[AttentionLayer] | None = None) -> Path:
+                 layers: list[AttentionLayer] | None = None, fuse: bool = True) -> Path:
     """Export `model` into the folder `out` (see the module docstring); returns `out`.
 
     `tokenizer_source`: the Hugging Face folder whose tokenizer files are copied (else they are made from
     `ckpt.tokenizer`). precision "int4": the fp32 graph with its weight MatMuls as MatMulNBits. `spec` (the
     checkpoint's description) and `layers` (the model's `attention_layers()`): what export.pipeline computed once
-    for this export, else computed here; the check, the graph and genai_config.json all take them.
+    for this export, else computed here; the check, the graph and genai_config.json all take them. `fuse`: the
+    graph's small nodes fused (export.genai_fusions; `--no-fuse` keeps the traced graph as it is).
     """
     check_folder_target(out)
     spec = spec or text_spec_of(ckpt)
@@ -149,7 +150,7 @@ def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEF
         folder.mkdir()
         traced: Precision = "fp16" if precision == "fp16" else "fp32"
         export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose, precision=traced, spec=spec,
-                          layers=layers)
+                          layers=layers, fuse=fuse)
         if precision == "int4":
             from export.genai_quantize import quantize_int4
 

@@ -52,6 +52,7 @@ class ExportOptions:
     output: Path | None = None
     opset: int = DEFAULT_OPSET
     inline: bool = False  # the flat elementwise graph instead of MultiMax nodes
+    fuse: bool = True  # the folder export's graph with its small nodes fused (export.genai_fusions)
     precision: Precision = "fp32"
     validate: bool = True
     samples: int | None = None  # None: 100 (vision: fewer for large models, every batch size at least once)
@@ -136,6 +137,9 @@ def check_options(options: ExportOptions) -> None:
     elif options.precision in FOLDER_ONLY:
         raise ExportError(f"--{options.precision}: only for the onnxruntime-genai folder export (-o DIR); a single "
                           "file takes --fp16 or --int8")
+    elif not options.fuse:
+        raise ExportError("--no-fuse: only for the onnxruntime-genai folder export (-o DIR); a single file is "
+                          "never fused")
     if options.trt:
         reason = tensorrt_unavailable()
         if reason:
@@ -190,7 +194,8 @@ def _export(ckpt_path: Path, options: ExportOptions) -> ExportReport:
             if folder:
                 assert isinstance(spec, TextSpec)  # other tasks were refused above
                 write_folder(cast(TextModel, model), ckpt, folder, opset=options.opset, verbose=True,
-                             tokenizer_source=source_folder, precision=precision, spec=spec, layers=layers)
+                             tokenizer_source=source_folder, precision=precision, spec=spec, layers=layers,
+                             fuse=options.fuse)
             else:
                 task.export(model, ckpt, out, opset=options.opset, inline=options.inline, precision=precision,
                             verbose=True, spec=spec)

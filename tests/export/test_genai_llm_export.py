@@ -223,10 +223,24 @@ def test_int4_folder_reports_deltas(hf_folders: dict[str, Path], tmp_path: Path)
     assert "int4: deltas reported, not enforced" in out
 
 
+@pytest.mark.slow
+def test_no_fuse_keeps_the_traced_graph(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """`--no-fuse`: the folder's graph as traced (for comparing and debugging), validated the same way."""
+    folder = tmp_path / "plain"
+    code, out, err = export([str(hf_folders["llama"]), "-o", str(folder), "--no-fuse", "--samples", "4"])
+    assert code == 0, out + err
+    proto = onnx.load(str(folder / MODEL_FILE))
+    ops = {n.op_type for n in proto.graph.node}
+    assert not ops & {"RotaryEmbedding", "SkipSimplifiedLayerNormalization", "Split"} and "Neg" in ops
+    assert FUSIONS_KEY not in {p.key for p in proto.metadata_props}
+    assert json.loads((folder / REPORT_FILE).read_text())["passed"]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--int4"], "--int4: only for the onnxruntime-genai folder export"),
     (["-o", "{tmp}/out", "--int8"], "--int8: not available for the onnxruntime-genai folder export"),
     (["-o", "{tmp}/out", "--dict", "{tmp}/dict.txt"], "--dict apply to checkpoint files"),
+    (["-o", "{tmp}/out.onnx", "--no-fuse"], "--no-fuse: only for the onnxruntime-genai folder export"),
 ])
 def test_unsupported_options_exit_2_naming_them(args: list[str], needle: str, hf_folders: dict[str, Path],
                                                  tmp_path: Path) -> None:
