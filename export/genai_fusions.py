@@ -241,7 +241,7 @@ def _flattened(g: _Graph, rope: _Rope) -> _Rope:
     merge = g.only_user(back.output[0], "Reshape") if back is not None else None
     if (to_heads is None or split is None or back is None or merge is None
             or _attr(to_heads, "perm") != _TO_HEADS or _attr(back, "perm") != _TO_HEADS
-            or g.only_user(split.output[0], "Transpose") is None or len(g.consumers.get(rope.x, [])) != 3
+            or g.only_user(split.output[0], "Transpose") is None
             or _last_of_shape(g, merge.input[1]) != -1 or _last_of_shape(g, split.input[1]) != 2 * rope.half):
         return rope  # (the head must be all rotated: onnxruntime takes the head size from the tables there)
     return _Rope([split, to_heads, *rope.nodes, back, merge], split.input[0], merge.output[0], rope.cos, rope.sin,
@@ -371,8 +371,7 @@ def fuse_decoder(model: onnx.ModelProto, context: int, positions: str = "positio
         matmul = helper.make_node("MatMul", [group[0].input[0], f"{base}.weight"], [f"{base}.out"], name=base)
         split = helper.make_node("Split", [f"{base}.out", f"{base}.widths"], [u.output[0] for u in group], axis=-1,
                                  name=f"{base}/split")
-        first = min(group, key=lambda u: _index(model.graph, u))
-        replace[id(first)] = [matmul, split]
+        replace[id(group[0])] = [matmul, split]  # the first in graph order (consumers are listed so)
         drop.update(id(u) for u in group)
         done.packed_matmuls += len(group)
 
@@ -398,10 +397,6 @@ def fuse_decoder(model: onnx.ModelProto, context: int, positions: str = "positio
 def fusion_metadata(done: Fusions) -> dict[str, str]:
     """The model's metadata entry that records the rewrites (read by people and tests, not by the server)."""
     return {FUSIONS_KEY: json.dumps(done.as_dict(), sort_keys=True)}
-
-
-def _index(graph: onnx.GraphProto, node: onnx.NodeProto) -> int:
-    return next(i for i, n in enumerate(graph.node) if n is node)
 
 
 def _without_dead(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
