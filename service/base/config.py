@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,18 @@ def _spinning(text: str) -> str:
         raise ValueError(f"expected one of {', '.join(SPINNING)} (or a boolean), got {text!r}") from None
 
 
+def _export_timeout(text: str) -> float | None:
+    """`--folder-export-timeout-s`: seconds (0: no limit), or auto (None: by the folder's size,
+    service.engine.folder_export.timeout_for)."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected seconds, 0 or auto, got {text!r}") from None
+
+
 def _interval(text: str) -> float | None:
     """`--stream-interval-ms`: milliseconds, or auto (None: chosen by the cores the model leaves free,
     service.engine.text.delivery)."""
@@ -111,6 +124,7 @@ class Settings:
     # from there on ONNX Runtime (service.engine.folder_export); "off", or --backend torch: served as it is, on PyTorch
     folder_export: str = "auto"
     export_cache: Path = field(default_factory=default_export_cache)
+    folder_export_timeout_s: float | None = None  # None: by the folder's size; 0: no limit
     device: str = "auto"
     torch_compile: bool = False
     intra_op_threads: int = 0  # 0: the runtime's default (one per physical core)
@@ -222,6 +236,9 @@ class Settings:
                      "warmup_calls", "prefill_chunk_tokens", "prefix_cache_mb"):
             if values[name] < 0:
                 raise ValueError(f"{name} must not be negative, got {values[name]}")
+        if self.folder_export_timeout_s is not None and not 0 <= self.folder_export_timeout_s < math.inf:
+            raise ValueError(f"folder_export_timeout_s must be 0 (no limit) or positive seconds, got "
+                             f"{self.folder_export_timeout_s}")
         if self.stream_interval_ms is not None and not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
             raise ValueError(f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS:g}, got "
                              f"{self.stream_interval_ms}")
@@ -260,6 +277,9 @@ OPTIONS: tuple[_Option, ...] = (
             "off serves the folder itself on PyTorch (as --backend torch does)", choices=FOLDER_EXPORT),
     _Option("export_cache", Path, "directory of the Hugging Face folders' exports, keyed by the folders' content "
             "(safe to delete: an entry is made again on the next load)", "DIR"),
+    _Option("folder_export_timeout_s", _export_timeout, "the longest a folder's export on first load may run before "
+            "it is stopped and the folder served on PyTorch (recorded: a later load with a longer limit tries again); "
+            "auto: 600 s plus 1 s per MB of the folder; 0: no limit", "S"),
     _Option("device", str, "device for the PyTorch backend", choices=DEVICES),
     _Option("torch_compile", _bool, "run PyTorch models through torch.compile", "BOOL"),
     _Option("intra_op_threads", int, "threads inside one operator (0: runtime default)", "N"),

@@ -27,6 +27,7 @@ export, not the server. Its progress lines become log lines; its verdict is its 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -42,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -59,6 +60,11 @@ REPORT = "validation.json"  # export.genai_folder.REPORT_FILE (service/ does not
 HASHES = "file-hashes.json"
 TMP = ".tmp-"
 HEARTBEAT_S = 30.0  # a log line at least this often while an export runs
+# --folder-export-timeout-s auto: the 125M-parameter Llama's 499 MB exported and validated in 88 s on 2 shared
+# cores (0.18 s a MB); a floor for small folders and about 5x that rate for large ones
+TIMEOUT_FLOOR_S = 600.0
+TIMEOUT_S_PER_MB = 1.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".pdf")
 DOC_STEMS = ("README", "LICENSE", "NOTICE", "USE_POLICY")
 # what the export and its validation run; a new version may write another graph or judge it otherwise
@@ -97,6 +103,7 @@ class ExportRun:
     report: dict[str, Any] | None
     seconds: float
     tail: list[str] = field(default_factory=list)
+    timed_out: float | None = None  # the limit it ran past (it was then stopped)
 
     @property
     def passed(self) -> bool:
@@ -104,6 +111,9 @@ class ExportRun:
 
     @property
     def reason(self) -> str:
+        if self.timed_out is not None:
+            return (f"the export ran past its limit of {self.timed_out:.0f} s and was stopped "
+                    "(--folder-export-timeout-s)")
         if self.code < 0:
             try:
                 return f"the export was killed by {signal.Signals(-self.code).name}"
@@ -118,9 +128,10 @@ class ExportRun:
 
     @property
     def lasting(self) -> bool:
-        """A failure worth recording: the export ran to its end and said no (a signal, a person's ^C or an
-        out-of-memory kill, is tried again next time)."""
-        return self.code > 0
+        """A failure worth recording: the export ran to its end and said no, or ran past its limit (recorded with
+        the limit: a load with a longer one tries again). A signal, a person's ^C or an out-of-memory kill, is tried
+        again next time."""
+        return self.code > 0 or self.timed_out is not None
 
 
 # ---- the key ----------------------------------------------------------------------------------------------------
@@ -217,13 +228,14 @@ def cached_export(label: str, source: Path, settings: Settings) -> CachedExport 
     try:
         cache.mkdir(parents=True, exist_ok=True)
         key, inputs = export_key(source, cache, label)
+        limit = timeout_for(settings, source)
         found = _ready(cache / key, key)
-        if found is None and _failure(cache, key, label) is None:
+        if found is None and _failure(cache, key, label, limit) is None:
             with _locked(cache / f"{key}.lock", f"{label}: waiting for another process exporting it ({cache / key})"):
                 # another process (or thread) may have finished, or failed, while this one waited
                 found = _ready(cache / key, key)
-                if found is None and _failure(cache, key, label) is None:
-                    return _export(label, source, key, inputs, settings)
+                if found is None and _failure(cache, key, label, limit) is None:
+                    return _export(label, source, key, inputs, settings, limit)
     except OSError as exc:
         log.warning("%s: the export cache %s is unusable (%s); serving the folder on PyTorch", label, cache, exc)
         return None
@@ -253,17 +265,33 @@ def _ready(entry: Path, key: str) -> CachedExport | None:
     return CachedExport(entry, key, manifest)
 
 
-def _failure(cache: Path, key: str, label: str) -> dict[str, Any] | None:
+def timeout_for(settings: Settings, source: Path) -> float | None:
+    """How long the folder's export may run (None: no limit): the option's seconds, or auto's by the folder's size."""
+    if settings.folder_export_timeout_s is not None:
+        return settings.folder_export_timeout_s or None
+    size = sum(p.stat().st_size for p in content_files(source))
+    return TIMEOUT_FLOOR_S + TIMEOUT_S_PER_MB * size / 1e6
+
+
+def _failure(cache: Path, key: str, label: str, limit: float | None) -> dict[str, Any] | None:
+    """The recorded failure of the key's export, if it still holds: one that ran past a shorter limit than this
+    load's does not (the export is tried again)."""
     marker = cache / f"{key}.failed.json"
     failed = _read_json(marker)
     if not failed:
+        return None
+    ran_past = failed.get("timeout_s")
+    if isinstance(ran_past, int | float) and (limit is None or limit > ran_past):
+        log.info("%s: its export ran past %.0f s before; trying again with %s", label, ran_past,
+                 "no limit" if limit is None else f"{limit:.0f} s")
         return None
     log.warning("%s: not exported: its export failed before (%s, %s); serving the folder on PyTorch. Delete %s to "
                 "try again", label, failed.get("reason"), failed.get("failed_at"), marker)
     return failed
 
 
-def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings: Settings) -> CachedExport | None:
+def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings: Settings,
+            limit: float | None) -> CachedExport | None:
     """Export under the key's lock: in a temporary directory of the cache, renamed into place once validated."""
     cache = settings.export_cache
     entry = cache / key
@@ -274,17 +302,17 @@ def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings
         shutil.rmtree(stale, ignore_errors=True)
     size = sum(p.stat().st_size for p in content_files(source))
     log.info("%s: exporting the Hugging Face folder (%s) to an onnxruntime-genai folder, validated against PyTorch, "
-             "on first load; later loads reuse it (%s; --folder-export off serves the folder itself)", label,
-             _size(size), entry)
+             "on first load; later loads reuse it (%s; --folder-export off serves the folder itself; limit %s)",
+             label, _size(size), entry, "none" if limit is None else f"{limit:.0f} s")
     work = Path(tempfile.mkdtemp(prefix=f"{TMP}{key}-", dir=cache))
     try:
-        run = run_export(label, source, work / "export", settings)
+        run = run_export(label, source, work / "export", settings, limit)
         if not run.passed:
             if run.lasting:
                 _write_json(cache / f"{key}.failed.json",
                             {"key": key, "source": label, "reason": run.reason, "exit_code": run.code,
                              "failed_at": _now(), "seconds": round(run.seconds, 1), "output": run.tail[-10:],
-                             "inputs": inputs})
+                             "inputs": inputs} | ({} if run.timed_out is None else {"timeout_s": run.timed_out}))
             log.warning("%s: not exported (%s) after %.1f s; serving the folder on PyTorch%s", label, run.reason,
                         run.seconds, f". Recorded in {cache / (key + '.failed.json')}: later loads of this content "
                         "skip the export (delete the file to try again)" if run.lasting else "")
@@ -321,32 +349,68 @@ def export_command(source: Path, out: Path, settings: Settings) -> list[str]:
     return [sys.executable, "-m", "export", str(source.resolve()), "-o", str(out), *threads]
 
 
-def run_export(label: str, source: Path, out: Path, settings: Settings) -> ExportRun:
+def run_export(label: str, source: Path, out: Path, settings: Settings, limit: float | None = None) -> ExportRun:
     """Run the export of `source` into the new folder `out`, logging its steps as they start and a line every
-    HEARTBEAT_S while one lasts; a server stopped meanwhile (^C) stops it too."""
+    HEARTBEAT_S while one lasts. It is stopped, with whatever it started (its own process group), when it runs past
+    `limit` seconds or the server stops meanwhile (^C); on Linux it also dies with the server (a SIGKILL of the
+    server leaves no export running on)."""
     start = time.monotonic()
     progress = _Progress(label, start)
+    timed_out = None
     with open(out.parent / "export.log", "wb") as summary:  # the exporter's summary; the report has it all
         proc = subprocess.Popen(export_command(source, out, settings), stdin=subprocess.DEVNULL, stdout=summary,
-                                stderr=subprocess.PIPE, cwd=out.parent)
+                                stderr=subprocess.PIPE, cwd=out.parent, start_new_session=True,
+                                preexec_fn=_dies_with(os.getpid()))
         assert proc.stderr is not None
         reader = threading.Thread(target=progress.read, args=(proc.stderr,), name=f"export {label}", daemon=True)
         reader.start()
         try:
             while True:
+                left = None if limit is None else limit - (time.monotonic() - start)
+                if left is not None and left <= 0:
+                    timed_out = limit
+                    log.warning("%s: the export ran past its limit of %.0f s (%s); stopping it", label, limit,
+                                progress.step or "starting")
+                    _stop(proc)
+                    code = proc.returncode
+                    break
                 try:
-                    code = proc.wait(timeout=HEARTBEAT_S)
+                    code = proc.wait(timeout=HEARTBEAT_S if left is None else min(HEARTBEAT_S, left))
                     break
                 except subprocess.TimeoutExpired:
                     log.info("%s: exporting: %s, %.0f s so far", label, progress.step or "starting",
                              time.monotonic() - start)
         except BaseException:
-            proc.kill()
-            proc.wait()
+            _stop(proc)
             raise
         reader.join(10)
-    report = _read_json(out / REPORT) or None
-    return ExportRun(code, report, time.monotonic() - start, list(progress.tail))
+    report = None if timed_out is not None else _read_json(out / REPORT) or None
+    return ExportRun(code, report, time.monotonic() - start, list(progress.tail), timed_out)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """The export and everything it started (its session's process group) killed, and reaped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """For the child, before it runs the export: the kernel kills it when the server dies (prctl PR_SET_PDEATHSIG,
+    Linux; kept across exec; fired when the thread that started it ends, and that thread waits in run_export until
+    the export has ended). The function is looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_parent_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the server died before the line above: nobody will kill this child
+            os._exit(1)
+    return set_parent_death_signal
 
 
 class _Progress:

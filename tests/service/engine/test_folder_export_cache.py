@@ -7,10 +7,16 @@ exporter, a child process as the real one is."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +145,9 @@ def test_first_load_exports_and_serves_the_export_as_pytorch_serves_the_folder(
         assert torch_card["served_from"] is None
         assert card["tokenizer"] == torch_card["tokenizer"]
         assert card["context_length"] == torch_card["context_length"]
+        # the SegLU head's parameters, read from the exported graph's node, are the folder's own
+        assert card["multimax"]["parameters"]["lm_head"] is not None
+        assert card["multimax"] == torch_card["multimax"]
         assert greedy(client) == greedy(on_torch)
 
 
@@ -259,6 +268,106 @@ def test_an_export_killed_by_a_signal_is_not_recorded(repo: Path, tmp_path: Path
     assert not list(cache.glob("*.failed.json"))  # an out-of-memory kill or a ^C: tried again next time
 
 
+SLEEPER = ("import os, subprocess, sys, time; out = sys.argv[1]; os.makedirs(out); "
+           "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+           "open(os.path.join(out, '..', 'pids'), 'w').write(f'{os.getpid()} {kid.pid}'); time.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _pids(cache: Path) -> list[int]:
+    for _ in range(200):
+        found = list(cache.glob(".tmp-*/pids"))
+        if found and found[0].read_text().strip():
+            return [int(p) for p in found[0].read_text().split()]
+        time.sleep(0.05)
+    raise AssertionError("the stand-in export never started")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_export_past_its_limit_is_stopped_with_what_it_started_and_recorded(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=folder_export.__name__)
+    fail_with(monkeypatch, SLEEPER)
+    cache = tmp_path / "cache"
+    seen: list[int] = []
+    watcher = threading.Thread(target=lambda: seen.extend(_pids(cache)), daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    assert cached_export(NAME, repo / NAME, settings(repo, cache, folder_export_timeout_s=1.5)) is None
+    assert time.monotonic() - start < 60  # not the stand-in's 120 s
+    watcher.join(5)
+    export, grandchild = seen
+    assert not _alive(export) and not _alive(grandchild)  # its whole process group went
+    [marker] = cache.glob("*.failed.json")
+    failure = json.loads(marker.read_text())
+    assert failure["timeout_s"] == 1.5 and "ran past its limit of 2 s" in failure["reason"]
+    assert not list(cache.glob(".tmp-*")) and not entries(cache)
+    assert "--folder-export-timeout-s" in failure["reason"]
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("tried again")
+    monkeypatch.setattr(folder_export, "run_export", refuse)
+    assert cached_export(NAME, repo / NAME, settings(repo, cache, folder_export_timeout_s=1.0)) is None
+    # a longer limit, or none, tries again
+    calls: list[float | None] = []
+
+    def interrupted(*args: Any) -> folder_export.ExportRun:
+        calls.append(args[-1])
+        return folder_export.ExportRun(-2, None, 0.1)  # a ^C: not recorded, the marker stays
+    monkeypatch.setattr(folder_export, "run_export", interrupted)
+    for limit in (3.0, 0.0):
+        assert cached_export(NAME, repo / NAME, settings(repo, cache, folder_export_timeout_s=limit)) is None
+    assert calls == [3.0, None]
+    assert "trying again with no limit" in caplog.text
+
+
+def test_the_automatic_limit_grows_with_the_folder(repo: Path, tmp_path: Path) -> None:
+    size = sum(p.stat().st_size for p in folder_export.content_files(repo / NAME))
+    auto = folder_export.timeout_for(settings(repo, tmp_path), repo / NAME)
+    assert auto == pytest.approx(folder_export.TIMEOUT_FLOOR_S + size / 1e6 * folder_export.TIMEOUT_S_PER_MB)
+    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=0.0), repo / NAME) is None
+    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=5.0), repo / NAME) == 5.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_an_export_dies_with_a_server_killed_by_sigkill(repo: Path, tmp_path: Path) -> None:
+    """The server (here a Python process running run_export) killed with SIGKILL: its export does not run on."""
+    cache = tmp_path / "cache"
+    (cache / ".tmp-x").mkdir(parents=True)
+    server = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from pathlib import Path
+from service.base.config import Settings
+from service.engine import folder_export
+folder_export.export_command = lambda source, out, _: [sys.executable, "-c", {SLEEPER!r}, str(out)]
+folder_export.run_export("x", Path({str(repo / NAME)!r}), Path({str(cache / ".tmp-x" / "export")!r}), Settings())
+"""], cwd=Path(__file__).resolve().parents[3])
+    started: list[int] = []
+    try:
+        started += _pids(cache)
+        export = started[0]
+        assert _alive(export)
+        server.kill()
+        server.wait()
+        for _ in range(100):
+            if not _alive(export):
+                break
+            time.sleep(0.05)
+        assert not _alive(export)
+    finally:
+        server.kill()
+        for pid in started:  # what is left (the grandchild, not in the kernel's care) is cleaned up here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_an_export_that_refuses_the_folder_is_recorded_with_its_error(repo: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     fail_with(monkeypatch, "import sys; print('error: unsupported rope scaling', file=sys.stderr); sys.exit(2)")
@@ -297,3 +406,10 @@ def test_options_on_the_command_line_and_in_the_environment(tmp_path: Path, monk
     assert Settings().export_cache == tmp_path / "xdg" / "multimax-serve" / "exports"
     with pytest.raises(SystemExit):
         load_settings(["--folder-export", "always"], {})
+    assert load_settings([], {}).folder_export_timeout_s is None  # auto
+    assert load_settings(["--folder-export-timeout-s", "0"], {}).folder_export_timeout_s == 0
+    assert load_settings([], {"MULTIMAX_SERVE_FOLDER_EXPORT_TIMEOUT_S": "90.5"}).folder_export_timeout_s == 90.5
+    assert load_settings(["--folder-export-timeout-s", "auto"], {}).folder_export_timeout_s is None
+    for bad in ("-1", "soon", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            load_settings(["--folder-export-timeout-s", bad], {})
