@@ -25,7 +25,7 @@ from models.checkpoint import Checkpoint
 from models.hf_text import HFTextTokenizer
 from models.hf_tokenizer import HFTokenizer
 from models.loading import CheckpointError
-from models.onnx_contract import LOGITS, OnnxMetadata, read_metadata
+from models.onnx_contract import LOGITS, ONNX_DOMAIN, OnnxMetadata, read_metadata
 from models.spec import Reweighting, TextSpec
 from service.base.config import Settings
 from service.engine.backends.base import BackendUnavailable, Past, TextBackend, grown_length
@@ -70,6 +70,29 @@ def _multimax_summary(rw: Reweighting, values: dict[str, Any] | None) -> dict[st
         out["parameters"] = {"lm_head": values.get("lm_head"),
                              "attention": {str(k): v for k, v in (values.get("attention") or {}).items()}}
     return out
+
+
+def graph_multimax_nodes(proto: Any) -> list[dict[str, list[float]]]:
+    """The `ranges` / `ts` attributes of a graph's MultiMax nodes, in graph order (rounded as models.hf_folder
+    shows them)."""
+    nodes = []
+    for node in proto.graph.node if proto is not None else ():
+        attrs = {a.name: list(a.floats) for a in node.attribute if a.name in ("ranges", "ts")}
+        if node.domain == ONNX_DOMAIN and len(attrs) == 2:
+            nodes.append({k: [round(float(v), 6) for v in attrs[k]] for k in ("ranges", "ts")})
+    return nodes
+
+
+def placed_multimax_values(graph_nodes: list[dict[str, list[float]]], rw: Reweighting) -> dict[str, Any] | None:
+    """An export's MultiMax parameters (graph_multimax_nodes) in the shape the PyTorch-served card gives: the
+    head's node is the last (it reads the logits, which every layer feeds), the attention nodes come in layer
+    order. None where they do not match the placement the metadata states (nothing is claimed)."""
+    nodes = list(graph_nodes)
+    head = nodes.pop() if rw.output == "multimax" and nodes else None
+    layers = list(rw.attention_layers) if rw.attention == "multimax" else []
+    if (rw.output == "multimax") != (head is not None) or len(nodes) != len(layers):
+        return None
+    return {"lm_head": head, "attention": dict(zip(layers, nodes, strict=True))}
 
 
 # ---- Hugging Face folder on PyTorch --------------------------------------------------------------------------
@@ -144,6 +167,7 @@ class GenaiTextBackend(TextBackend):
         # such graphs keep a right-padded cache (its layout), only a prefill's new tokens are realigned
         self.right_padded = proto is not None and any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
         self.cache = NumpyCache(RIGHT if self.right_padded else LEFT)
+        self.multimax_nodes = graph_multimax_nodes(proto)
         del proto
         try:
             self.session = ort.InferenceSession(str(model_file), sess_options=options, providers=providers)
@@ -314,13 +338,14 @@ def load_genai_folder(name: str, path: Path, settings: Settings) -> ModelEntry:
         reweighting = architectures.read_spec(backend.metadata).reweighting
     except ValueError:
         reweighting = Reweighting()
+    values = placed_multimax_values(backend.multimax_nodes, reweighting)
     spec = _with_tokenizer(TextSpec((backend.kv_heads,) * backend.n_layer, backend.head_dim, vocab, context,
                                     reweighting), tokenizer)
     entry = ModelEntry(name, arch, backend, config, spec, served(spec.TASK),
                        tokenizer_entry=tokenizer.to_dict())
     entry.tokenizer = tokenizer
     entry.details = {"architecture": backend.arch or "unknown", "format": "onnxruntime-genai-folder",
-                     "multimax": _multimax_summary(reweighting, None) if meta_config else None,
+                     "multimax": _multimax_summary(reweighting, values) if meta_config else None,
                      "tokenizer": tokenizer.describe()}
     return entry
 
