@@ -374,17 +374,22 @@ def engine_loop(entry: Any, backend: Any, requests: list[Request], streams: int,
 def server(folder: Path, threads: int, extra: list[str], tree: Path | None = None) -> Iterator[str]:
     """`python -m service --model-dir` over a directory holding only (a link to) the folder; run from `tree`'s
     code where given (its working directory and PYTHONPATH), else this tree's."""
-    repo = Path(tempfile.mkdtemp(prefix="genai-vs-server-"))
+    work = Path(tempfile.mkdtemp(prefix="genai-vs-server-"))
+    repo = work / "models"
+    repo.mkdir()
     (repo / folder.name).symlink_to(folder.resolve(), target_is_directory=True)
     port = free_port()
     cmd = [sys.executable, "-m", "service", "--model-dir", str(repo), "--host", "127.0.0.1", "--port", str(port),
            "--intra-op-threads", str(threads), "--inter-op-threads", "1", "--max-running-sequences", "64", *extra]
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=None if tree is None else str(tree), env=env)
+    # its log goes to a file, read only if it fails: a pipe nobody reads blocks the server once 64 KiB are written
+    log = work / "server.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sink,
+                                cwd=None if tree is None else str(tree), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, proc, folder.name)
+        _wait_ready(base, proc, folder.name, log)
         yield base
     finally:
         proc.terminate()
@@ -392,17 +397,17 @@ def server(folder: Path, threads: int, extra: list[str], tree: Path | None = Non
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _wait_ready(base: str, proc: subprocess.Popen[str], name: str) -> None:
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], name: str, log: Path) -> None:
     import urllib.request
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"error: the server exited ({proc.returncode}): "
-                             f"{(proc.stderr.read() if proc.stderr else '')[-500:]}")
+            said = log.read_text(encoding="utf-8", errors="replace").strip()
+            raise SystemExit(f"error: the server exited ({proc.returncode}): {said[-500:]}")
         try:
             with urllib.request.urlopen(f"{base}/v1/models/{name}", timeout=2) as r:
                 if r.status == 200:
