@@ -5,7 +5,11 @@
                symmetric blocks of 32), N concurrent streamed /v1/completions (token-id prompts, greedy, ignore_eos,
                fixed max_tokens)
     genai      onnxruntime-genai's own loop on the same exported folder: `og.Generator`, one batched Generator for
-               N streams (every prompt is as long and asks as many tokens: a static batch's best case)
+               N streams (every prompt is as long and asks as many tokens, all sent at once: a static batch's best
+               case, which no server meets with requests that come and go)
+    genai-engine  onnxruntime-genai's own serving loop on that folder: `og.Engine` (its continuous batching), the N
+               requests submitted at once; run only where it gives og.Generator's greedy tokens for prompts of
+               different lengths batched together (else skipped, with the reason)
     llama.cpp  `llama-server --parallel N --cont-batching` on 127.0.0.1 serving a GGUF made from the same Hugging
                Face folder by llama.cpp's own convert_hf_to_gguf.py and llama-quantize: f32 against our fp32,
                q4_0 (`--pure`: every matrix 4-bit symmetric blocks of 32, as ours) against our int4, and q8_0;
@@ -32,9 +36,10 @@ engine.
 
 Each figure is output tokens/s over all streams (tokens asked for / wall time from the first send to the last
 token), time to first token p50 (from each request's send) and inter-token latency p50/p99 (gaps between a stream's
-SSE events or, for genai, its decode steps). The ratios server/genai and server/llama.cpp (same precision) are
-medians of per-round ratios; each round runs every engine once per stream count, in alternating order, each after
-a pause of 0.25 s (genai_vs_server.SETTLE_S: onnxruntime-genai's spinning threads slowed the engine after it).
+SSE events or, for genai, its decode steps). The ratios server/genai, server/genai-engine and server/llama.cpp
+(same precision) are medians of per-round ratios; each round runs every engine once per stream count, in alternating
+order, each after a pause of 0.25 s (genai_vs_server.SETTLE_S: onnxruntime-genai's spinning threads slowed the engine
+after it).
 Exit status 2 with one line for bad input; loopback only.
 """
 
@@ -64,7 +69,8 @@ from benchmarks import genai_vs_server as gvs
 from benchmarks.server import ROOT, start, stop
 from service.engine.folder_export import code_identity
 
-ENGINES = ("server", "genai", "llama.cpp")
+ENGINES = ("server", "genai", "genai-engine", "llama.cpp")
+GENAI = ("genai", "genai-engine")  # in-process onnxruntime-genai loops over the server's own export
 PRECISIONS = ("fp32", "int4", "q8_0")
 # our precision -> llama.cpp's type for it (q8_0 has no counterpart in our export: llama.cpp's alone)
 GGUF_TYPE = {"fp32": "f32", "int4": "q4_0", "q8_0": "q8_0"}
@@ -368,8 +374,9 @@ def complete(base: str, name: str, prompt: list[int], max_tokens: int) -> str:
         return str(json.loads(r.read())["choices"][0]["text"])
 
 
-def _genai(model: Any, requests: list[gvs.Request], streams: int) -> gvs.Run:
-    return gvs.static_batches(partial(gvs.genai_generator, model), requests, streams)[0]
+def _genai(model: Any, requests: list[gvs.Request], streams: int, engine: bool = False) -> gvs.Run:
+    loop = gvs.genai_engine if engine else gvs.genai_generator
+    return gvs.static_batches(partial(loop, model), requests, streams)[0]
 
 
 def label(engine: str, precision: str) -> str:
@@ -467,7 +474,7 @@ def _main(argv: list[str] | None, shape: Shape) -> int:
     if not ways:
         raise BadInput(f"nothing to measure: --engines {','.join(engines)} with --precisions {args.precisions}")
 
-    built = build(args.work, shape, args.seed, args.seglu, precisions, bool({"server", "genai"} & set(engines)),
+    built = build(args.work, shape, args.seed, args.seglu, precisions, bool({"server", *GENAI} & set(engines)),
                   llama, args.threads, args.export_samples)
     build_seconds = round(time.perf_counter() - t_start, 1)
     if args.build_only:
@@ -482,7 +489,15 @@ def _main(argv: list[str] | None, shape: Shape) -> int:
         servers = {p: stack.enter_context(gvs.server(built.exports[p], args.threads, [
             "--log-level", "warning", "--access-log", "false", *args.server_arg]))
             for p in precisions if ("server", p) in ways}
-        models = {p: gvs.genai_model(built.exports[p], args.threads) for p in precisions if ("genai", p) in ways}
+        models = {p: gvs.genai_model(built.exports[p], args.threads) for p in precisions
+                  if any((g, p) in ways for g in GENAI)}
+        for prec in [p for p in precisions if ("genai-engine", p) in ways]:
+            usable, why = gvs.engine_is_correct(models[prec], shape.vocab, 16)
+            print(f"og.Engine, {prec}: {why}", flush=True)
+            if not usable:
+                skipped[f"genai-engine {prec}"] = why
+                ways.remove(("genai-engine", prec))
+                del results[label("genai-engine", prec)]
         llamas: dict[tuple[str, int], str] = {}
 
         def llama_url(prec: str, n: int) -> str:
@@ -524,8 +539,8 @@ def _main(argv: list[str] | None, shape: Shape) -> int:
                     if engine == "server":
                         calls[label(engine, prec)] = partial(gvs.server_run, servers[prec],
                                                              built.exports[prec].name, requests, n)
-                    elif engine == "genai":
-                        calls[label(engine, prec)] = partial(_genai, models[prec], requests, n)
+                    elif engine in GENAI:
+                        calls[label(engine, prec)] = partial(_genai, models[prec], requests, n, engine != "genai")
                     else:
                         url = llama_url(prec, n)  # started (and warmed) outside the timed calls
                         calls[label(engine, prec)] = partial(gvs.server_run, url, "model", requests, n)
@@ -535,7 +550,7 @@ def _main(argv: list[str] | None, shape: Shape) -> int:
                     results[k].setdefault(n, []).append(run)
                 for prec in precisions:
                     ours = got.get(label("server", prec))
-                    for other in ("genai", "llama.cpp"):
+                    for other in (*GENAI, "llama.cpp"):
                         theirs = got.get(label(other, prec))
                         if ours is not None and theirs is not None:
                             key = f"server/{other} {prec}"

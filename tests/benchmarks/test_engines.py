@@ -92,21 +92,37 @@ def test_prompts_are_the_same_ids_for_every_engine(built: engines.Built) -> None
 def test_a_short_run_of_the_server_and_genai(work: Path, built: engines.Built, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    assert engines.main(["--work", str(work), "--engines", "server,genai", "--precisions", "fp32", *SHORT,
-                         "-o", str(out)], TINY) == 0
+    assert engines.main(["--work", str(work), "--engines", "server,genai,genai-engine", "--precisions", "fp32",
+                         *SHORT, "-o", str(out)], TINY) == 0
     report = json.loads(out.read_text())
-    assert report["engines"] == ["server fp32", "genai fp32"] and report["streams"] == [1]
+    # og.Engine gives og.Generator's tokens here (checked first): it runs as a contender of its own
+    assert report["engines"] == ["server fp32", "genai fp32", "genai-engine fp32"] and report["streams"] == [1]
     rows = report["results"]
     for way in report["engines"]:
         figures = rows[way]["1"]
         assert figures["tok_s"] > 0 and figures["ttft_p50_ms"] > 0, (way, figures)
         assert 0 <= figures["itl_p50_ms"] <= figures["itl_p99_ms"], (way, figures)
     # one round: the median of per-round ratios is that round's ratio of the rows
-    assert report["ratios"]["server/genai fp32"]["1"] == pytest.approx(
-        rows["server fp32"]["1"]["tok_s"] / rows["genai fp32"]["1"]["tok_s"])
+    for genai in ("genai", "genai-engine"):
+        assert report["ratios"][f"server/{genai} fp32"]["1"] == pytest.approx(
+            rows["server fp32"]["1"]["tok_s"] / rows[f"{genai} fp32"]["1"]["tok_s"])
     assert report["greedy_checks"]["fp32"]["genai == server"] is True  # one model.onnx under both
     printed = capsys.readouterr().out
-    assert "| 1 | server fp32 |" in printed and "server/genai fp32" in printed
+    assert "| 1 | server fp32 |" in printed and "server/genai fp32" in printed and "server/genai-engine" in printed
+    assert "og.Engine, fp32: og.Engine gives og.Generator's greedy tokens" in printed
+
+
+def test_og_engine_that_is_wrong_is_skipped_with_the_reason(work: Path, built: engines.Built, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An og.Engine whose batched tokens differ from og.Generator's would measure a wrong model: not run, said why."""
+    monkeypatch.setattr(engines.gvs, "engine_is_correct", lambda model, vocab, n: (False, "og.Engine differs"))
+    out = tmp_path / "r.json"
+    assert engines.main(["--work", str(work), "--engines", "server,genai,genai-engine", "--precisions", "fp32",
+                         *SHORT, "-o", str(out)], TINY) == 0
+    report = json.loads(out.read_text())
+    assert report["engines"] == ["server fp32", "genai fp32"]
+    assert report["skipped"] == {"genai-engine fp32": "og.Engine differs"}
+    assert set(report["ratios"]) == {"server/genai fp32"}
 
 
 def test_llama_cpp_is_found_in_a_folder_or_said_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,7 +202,8 @@ def test_the_llama_cpp_side_is_skipped_with_a_reason_when_missing(
     assert engines.main(["--work", str(work), "--precisions", "fp32,q8_0", *SHORT, "-o", str(out)], TINY) == 0
     report = json.loads(out.read_text())
     assert "no llama-server" in report["skipped"]["llama.cpp"]
-    assert report["engines"] == ["server fp32", "genai fp32"]  # q8_0 is llama.cpp's alone: nothing of it runs
+    # q8_0 is llama.cpp's alone: nothing of it runs
+    assert report["engines"] == ["server fp32", "genai fp32", "genai-engine fp32"]
     assert "llama.cpp skipped: no llama-server" in capsys.readouterr().out
 
 
@@ -202,7 +219,7 @@ def test_llama_cpp_at_tiny_size(work: Path, built: engines.Built, tmp_path: Path
     assert engines.main(["--work", str(work), "--llama-cpp", str(llama.server.parents[1]), "--precisions",
                          "fp32,q8_0", *SHORT, "--streams", "1,2", "-o", str(out)], TINY) == 0
     report = json.loads(out.read_text())
-    assert report["engines"] == ["server fp32", "genai fp32", "llama.cpp f32", "llama.cpp q8_0"]
+    assert report["engines"] == ["server fp32", "genai fp32", "genai-engine fp32", "llama.cpp f32", "llama.cpp q8_0"]
     rows = report["results"]
     for way in report["engines"]:
         for n in ("1", "2"):
