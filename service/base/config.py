@@ -67,28 +67,24 @@ def _spinning(text: str) -> str:
         raise ValueError(f"expected one of {', '.join(SPINNING)} (or a boolean), got {text!r}") from None
 
 
-def _export_timeout(text: str) -> float | None:
-    """`--folder-export-timeout-s`: seconds (0: no limit), or auto (None: by the folder's size,
+def _number_or_auto(expected: str) -> Callable[[str], float | None]:
+    """A parser of a number, or auto (None: the setting's own choice): `--stream-interval-ms` (chosen by the cores
+    the model leaves free, service.engine.text.delivery), `--folder-export-timeout-s` (by the folder's size,
     service.engine.folder_export.timeout_for)."""
-    value = text.strip().lower()
-    if value == "auto":
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"expected seconds, 0 or auto, got {text!r}") from None
+    def parse(text: str) -> float | None:
+        value = text.strip().lower()
+        if value == "auto":
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"expected {expected} or auto, got {text!r}") from None
+    parse.__name__ = f"{expected} or auto"  # argparse: "invalid milliseconds or auto value: 'soon'"
+    return parse
 
 
-def _interval(text: str) -> float | None:
-    """`--stream-interval-ms`: milliseconds, or auto (None: chosen by the cores the model leaves free,
-    service.engine.text.delivery)."""
-    value = text.strip().lower()
-    if value == "auto":
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"expected milliseconds or auto, got {text!r}") from None
+_interval = _number_or_auto("milliseconds")
+_export_timeout = _number_or_auto("seconds (0: no limit)")
 
 
 def _names(text: str) -> tuple[str, ...]:
