@@ -228,14 +228,15 @@ def cached_export(label: str, source: Path, settings: Settings) -> CachedExport 
     try:
         cache.mkdir(parents=True, exist_ok=True)
         key, inputs = export_key(source, cache, label)
-        limit = timeout_for(settings, source)
+        size = sum(p.stat().st_size for p in content_files(source))
+        limit = timeout_for(settings, size)
         found = _ready(cache / key, key)
         if found is None and _failure(cache, key, label, limit) is None:
             with _locked(cache / f"{key}.lock", f"{label}: waiting for another process exporting it ({cache / key})"):
                 # another process (or thread) may have finished, or failed, while this one waited
                 found = _ready(cache / key, key)
                 if found is None and _failure(cache, key, label, limit) is None:
-                    return _export(label, source, key, inputs, settings, limit)
+                    return _export(label, source, key, inputs, settings, size, limit)
     except OSError as exc:
         log.warning("%s: the export cache %s is unusable (%s); serving the folder on PyTorch", label, cache, exc)
         return None
@@ -265,11 +266,11 @@ def _ready(entry: Path, key: str) -> CachedExport | None:
     return CachedExport(entry, key, manifest)
 
 
-def timeout_for(settings: Settings, source: Path) -> float | None:
-    """How long the folder's export may run (None: no limit): the option's seconds, or auto's by the folder's size."""
+def timeout_for(settings: Settings, size: int) -> float | None:
+    """How long the export of a folder of `size` bytes (its content_files) may run (None: no limit): the option's
+    seconds, or auto's by the size."""
     if settings.folder_export_timeout_s is not None:
         return settings.folder_export_timeout_s or None
-    size = sum(p.stat().st_size for p in content_files(source))
     return TIMEOUT_FLOOR_S + TIMEOUT_S_PER_MB * size / 1e6
 
 
@@ -290,7 +291,7 @@ def _failure(cache: Path, key: str, label: str, limit: float | None) -> dict[str
     return failed
 
 
-def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings: Settings,
+def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings: Settings, size: int,
             limit: float | None) -> CachedExport | None:
     """Export under the key's lock: in a temporary directory of the cache, renamed into place once validated."""
     cache = settings.export_cache
@@ -300,7 +301,6 @@ def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings
         _remove(entry)
     for stale in cache.glob(f"{TMP}{key}-*"):  # left by an export that crashed (only the lock's holder writes them)
         shutil.rmtree(stale, ignore_errors=True)
-    size = sum(p.stat().st_size for p in content_files(source))
     log.info("%s: exporting the Hugging Face folder (%s) to an onnxruntime-genai folder, validated against PyTorch, "
              "on first load; later loads reuse it (%s; --folder-export off serves the folder itself; limit %s)",
              label, _size(size), entry, "none" if limit is None else f"{limit:.0f} s")

@@ -330,10 +330,10 @@ def test_an_export_past_its_limit_is_stopped_with_what_it_started_and_recorded(
 
 def test_the_automatic_limit_grows_with_the_folder(repo: Path, tmp_path: Path) -> None:
     size = sum(p.stat().st_size for p in folder_export.content_files(repo / NAME))
-    auto = folder_export.timeout_for(settings(repo, tmp_path), repo / NAME)
+    auto = folder_export.timeout_for(settings(repo, tmp_path), size)
     assert auto == pytest.approx(folder_export.TIMEOUT_FLOOR_S + size / 1e6 * folder_export.TIMEOUT_S_PER_MB)
-    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=0.0), repo / NAME) is None
-    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=5.0), repo / NAME) == 5.0
+    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=0.0), size) is None
+    assert folder_export.timeout_for(settings(repo, tmp_path, folder_export_timeout_s=5.0), size) == 5.0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
