@@ -35,3 +35,19 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield cache
     if given is None:
         os.environ.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real pretrained SmolLM2-135M-Instruct as a Hugging Face folder (tests/pretrained.py)."""
+    from tests.pretrained import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="session")
+def smollm2_seglu() -> Path:
+    """SmolLM2-135M-Instruct with SegLU tensors on its head, as PaddleFleet writes them (tests/pretrained.py)."""
+    from tests.pretrained import smollm2_folder
+
+    return smollm2_folder(seglu=True)
