@@ -1,7 +1,7 @@
 """A text export as a folder that onnxruntime-genai loads as it is: `python -m export CKPT -o DIR`.
 
-    DIR/model.onnx               the shared-buffer decoder graph (export.genai_graph), weights inside (or
-                                 model.onnx.data above 2 GB)
+    DIR/model.onnx               the shared-buffer decoder graph (export.genai_graph), weights inside (or,
+                                 above 2 GB of weights, in DIR/model.onnx.data beside it: export.onnx_io)
     DIR/genai_config.json        decoder names and shapes, `past_present_share_buffer: true`, greedy search
     DIR/tokenizer.json, tokenizer_config.json, ...  the model's tokenizer (export.hf_tokenizer: the byte
                                  tokenizer, a fairseq dictionary's, or a Hugging Face folder's files as they are:
@@ -150,11 +150,7 @@ def write_folder(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEF
         folder.mkdir()
         traced: Precision = "fp16" if precision == "fp16" else "fp32"
         export_genai_text(model, ckpt, folder / MODEL_FILE, opset=opset, verbose=verbose, precision=traced, spec=spec,
-                          layers=layers, fuse=fuse)
-        if precision == "int4":
-            from export.genai_quantize import quantize_int4
-
-            quantize_int4(folder / MODEL_FILE)
+                          layers=layers, fuse=fuse, int4=precision == "int4")
         if library is not None:
             shutil.copy2(library, folder / LIBRARY_FILE)
         _write_json(folder / CONFIG_FILE, genai_config(spec, layers, tok, LIBRARY_FILE if library else None))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 import torch
 from torch import nn
@@ -117,10 +118,10 @@ class _SharedCacheDecoder(nn.Module):
 
 def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int = DEFAULT_OPSET,
                       verbose: bool = False, precision: Precision = "fp32", spec: TextSpec | None = None,
-                      layers: list[AttentionLayer] | None = None, fuse: bool = True) -> Path:
+                      layers: list[AttentionLayer] | None = None, fuse: bool = True, int4: bool = False) -> Path:
     """Export the shared-buffer decoder graph to `out`, atomically, with every function body attached
-    (precision fp32 or fp16; int4 is applied to the fp32 graph afterwards, export.genai_quantize), its small
-    nodes fused where `fuse` (export.genai_fusions).
+    (precision fp32 or fp16), its small nodes fused where `fuse` (export.genai_fusions); `int4`: the fp32 graph's
+    weight MatMuls quantized (export.genai_quantize) before it is written.
 
     `spec` (the checkpoint's description) and `layers` (the model's `attention_layers()`): what the caller computed
     for this export (export.genai_folder), else computed here. fp16 traces a copy in fp16, whose layers are its own
@@ -156,5 +157,14 @@ def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int 
         fn = ir.serde.deserialize_function(attention_function_proto(opset))
         program.model.functions[fn.identifier()] = fn
     context = spec.context_length
+
+    def rewrite(proto: onnx.ModelProto) -> dict[str, str]:
+        extra = fusion_metadata(fuse_decoder(proto, context)) if fuse else {}
+        if int4:
+            from export.genai_quantize import quantize_int4_proto
+
+            quantize_int4_proto(proto)
+        return extra
+
     return _finish(program, ckpt, out, opset, inline=False, precision=precision, spec=spec,
-                   rewrite=(lambda proto: fusion_metadata(fuse_decoder(proto, context))) if fuse else None)
+                   rewrite=rewrite if fuse or int4 else None)

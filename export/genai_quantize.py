@@ -4,28 +4,26 @@ model builder writes them), made from the finished fp32 graph by onnxruntime's `
 Every MatMul whose weight is a constant becomes MatMulNBits with 4-bit blocks of 32 along the input dimension,
 symmetric, accuracy level 4 (int8 activations in the CPU kernel, as the builder's default for CPU). The
 embedding, the attention nodes and the MultiMax nodes stay as they are (no constant MatMul weight); onnxruntime
-runs the result on CPU. The file keeps its metadata and is rewritten atomically.
+runs the result on CPU. The folder export quantizes the graph in memory before it is first written
+(`quantize_int4_proto`: one copy of the weights, not the fp32 file written, read back and copied).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import onnx
-
-from export.onnx_export import save_atomic
-from export.precision import copy_without_value_info
 
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 
 
-def quantize_int4(path: Path) -> int:
-    """Quantize the model at `path` in place; returns how many MatMuls became MatMulNBits."""
+def quantize_int4_proto(proto: onnx.ModelProto) -> int:
+    """Quantize `proto` in place (no copy of its weights: the quantizer edits the graph it is given); returns how
+    many MatMuls became MatMulNBits."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    proto = copy_without_value_info(onnx.load(str(path)))
+    del proto.graph.value_info[:]  # the quantizer rewrites Gemm as MatMul on transposed weights: stale shapes
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer logs every node it visits
@@ -35,7 +33,6 @@ def quantize_int4(path: Path) -> int:
         quantizer.process()
     finally:
         root.setLevel(level)
-    out = quantizer.model.model
-    count = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
-    save_atomic(out, path)
-    return count
+    assert quantizer.model.model is proto, "MatMulNBitsQuantizer returned a new model"
+    return sum(n.op_type == "MatMulNBits" for n in proto.graph.node)
+

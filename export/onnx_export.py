@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from export.fast_rewrites import op_type_filtered_rewrites
+from export.onnx_io import DEFAULT_THRESHOLD, external_threshold, save_model
 from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
-from models.atomic import publish, staging_dir
 from models.checkpoint import Checkpoint
 from models.multimax import onnx_export_params
 from models.onnx_contract import (
@@ -37,8 +37,8 @@ from models.spec import ModelSpec, TextSpec, VisionSpec
 from plugins.onnx_functions import function_protos
 
 DEFAULT_OPSET = 18
-# protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that.
-EXTERNAL_DATA_THRESHOLD = 2_000_000_000 - 10_000_000
+# protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that (export.onnx_io).
+EXTERNAL_DATA_THRESHOLD = DEFAULT_THRESHOLD
 
 
 class ExportError(ValueError):
@@ -232,22 +232,7 @@ def _finish(
 
 
 def save_atomic(proto: onnx.ModelProto, out: Path) -> Path:
-    """One file below 2 GB, external data beside it (`<name>.data`) above.
-
-    Written in a staging directory next to `out` and renamed into place at the end (data first, then
-    the graph that names it), so a failed export leaves no partial files.
-    """
-    large = proto.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    data_name = out.name + ".data"
-    with staging_dir(out) as staging:
-        if large:
-            onnx.save_model(
-                proto, staging / out.name, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name
-            )
-            publish(staging / data_name, out.parent / data_name)
-        else:
-            onnx.save_model(proto, staging / out.name)
-        publish(staging / out.name, out)
-    if not large:
-        (out.parent / data_name).unlink(missing_ok=True)  # an earlier, larger export's weights
-    return out
+    """One file below 2 GB (or `MULTIMAX_EXTERNAL_DATA_THRESHOLD`), external data beside it (`<name>.data`)
+    above, written atomically without serializing the whole model (export.onnx_io.save_model; `proto` is
+    consumed)."""
+    return save_model(proto, out, min(EXTERNAL_DATA_THRESHOLD, external_threshold()))

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from export.onnx_io import ExternalDataError, check_external_data
 from models import registry as architectures
 from models.onnx_contract import (
     LOGITS,
@@ -57,6 +58,16 @@ def _read_graph(path: Path) -> onnx.ModelProto | None:
         return onnx.load(str(path), load_external_data=False)
     except Exception:
         return None
+
+
+def _refuse_bad_weights(proto: onnx.ModelProto | None, path: Path) -> None:
+    """A graph whose external weights (`model.onnx.data`) are missing, truncated or outside its folder: refused
+    with the reason, before onnxruntime reads any of them."""
+    try:
+        if proto is not None:
+            check_external_data(path, proto)
+    except ExternalDataError as exc:
+        raise BackendUnavailable(str(exc)) from None
 
 
 def _refuse_bad_attributes(proto: onnx.ModelProto | None, path: Path) -> None:
@@ -161,6 +172,7 @@ def OnnxRuntimeBackend(
     else:
         requested, why = onnxruntime_providers()
     proto = _read_graph(path)
+    _refuse_bad_weights(proto, path)
     _refuse_bad_attributes(proto, path)
     # The fused ops are CPU kernels: registered only for CPU-only sessions (on a GPU the bodies stay on the GPU).
     fused = fused_ops_state(proto, options) if list(requested) == ["CPUExecutionProvider"] else None
