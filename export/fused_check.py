@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from export.onnx_io import graph_session, initializer_arrays, load_graph
 from plugins import ort_ops
 
 FUSED_ATOL = 1e-5  # fp32 model outputs, fused kernels vs the inlined bodies: float32 rounding only
@@ -101,7 +102,7 @@ def _bodies_session(path: Path, proto: onnx.ModelProto, probes: list[str], tmp: 
         if name not in {o.name for o in proto.graph.output}:
             proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     if proto.ByteSize() < _INLINE_LIMIT:
-        return cpu_session(proto.SerializeToString(), fused=False)
+        return graph_session(path, proto.SerializeToString())  # weights from path's folder
     probed = tmp / path.name
     onnx.save(proto, str(probed), save_as_external_data=True, location=probed.name + ".data")
     return cpu_session(probed, fused=False)
@@ -167,7 +168,7 @@ def compare_fused(
     if not lib.available:
         # the check did not run: the export's verdict names it (export.summary.skipped_checks)
         return {"in_use": False, "reason": lib.reason, "failures": []}
-    proto = onnx.load(str(path))
+    proto = load_graph(path)  # without its weights (export.onnx_io)
     cut_ops = discontinuous_ops(proto)
     if cut_ops and atol is not None:
         atol = max(atol, loose_atol if loose_atol is not None else atol)
@@ -177,7 +178,7 @@ def compare_fused(
         fused_outputs = [fused.run(None, feed) for feed in feeds]
     nodes = _fused_nodes(proto)
     probes = _probe_names(proto, nodes)
-    constants = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    constants = initializer_arrays(path, proto, (name for node in nodes for name in node.input))
     worst, scale, runs = 0.0, 1.0, []
     with tempfile.TemporaryDirectory(prefix="multimax-fused-check.") as tmp:
         bodies = _bodies_session(path, proto, probes, Path(tmp))

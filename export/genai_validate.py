@@ -113,6 +113,7 @@ def _decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer
                 agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
                 rows += refs[0].shape[0]
                 bar.update()
+        del session  # one session's copy of the weights at a time (a large model's memory)
         report[level_name] = _stats(diffs, rels) | {
             "present_max_abs": float(np.concatenate(kv).max()), "next_token_agreement": agree / rows,
             "nan_count": nans, **({"buffer_tail_untouched": untouched} if padding else {}),

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
 
 from export.fused_check import FUSED_ATOL, compare_fused, cpu_session
+from export.onnx_io import check_model_file, load_graph
 from export.progress import Phases
 from models import onnx_contract as contract
 from models import registry
@@ -64,8 +64,8 @@ FUSED_CHECK_TEXT_FEEDS = 8
 def check_graph(path: Path, problems: GraphProblems | None = None) -> dict[str, Any]:
     """Full checker, names and the dynamic axes as specified (`problems`: the task's, its ExportTask's
     `graph_problems`; None: the vision task's)."""
-    model = onnx.load(str(path))
-    onnx.checker.check_model(model, full_check=True)
+    model = load_graph(path)  # without its weights: any size (export.onnx_io)
+    check_model_file(path)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     nodes = [f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain == contract.ONNX_DOMAIN]
@@ -328,6 +328,7 @@ def validate_text(
                 agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
                 rows += refs[0].shape[0]
                 bar.update()
+        del session  # one session's copy of the weights at a time (a large model's memory)
         present_max = float(np.concatenate(kv_diffs).max())
         report[name] = _stats(logit_diffs, logit_rels) | {
             "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
@@ -348,6 +349,7 @@ def validate_text(
             steps = min(gen_tokens, spec.context_length - len(prompt))  # as `generate`: within the context
             identical += ort_greedy(session, prompt, steps, n_layer) == ref
             bar.update()
+    del session  # freed before the fused check builds its own
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):
         feeds = [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]]
