@@ -37,6 +37,20 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop(name, None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def folder_export_waits() -> Iterator[None]:
+    """`python -m service` started by a test exports a Hugging Face folder before the model answers (wait), as before
+    issue 50 made auto's export run in the background: a short-lived test server would otherwise start an export
+    it stops at exit, and its answers would come from PyTorch or the export by timing
+    (tests/service/engine/test_background_export.py tests auto)."""
+    name = "MULTIMAX_SERVE_FOLDER_EXPORT"
+    given = os.environ.get(name)
+    os.environ[name] = given or "wait"
+    yield
+    if given is None:
+        os.environ.pop(name, None)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real pretrained SmolLM2-135M-Instruct as a Hugging Face folder (tests/pretrained.py)."""

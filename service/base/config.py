@@ -24,7 +24,9 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
 MODEL_CONTROL = ("none", "explicit")  # Triton's --model-control-mode, without "poll"
-FOLDER_EXPORT = ("auto", "off")  # a Hugging Face folder: served from its cached export (auto), or as it is (off)
+# a Hugging Face folder: served on PyTorch at once and from its export once made in the background (auto), from its
+# export made before it answers (wait), or as it is (off)
+FOLDER_EXPORT = ("auto", "wait", "off")
 
 
 def _default_model_dir() -> Path:
@@ -41,6 +43,13 @@ def default_export_cache() -> Path:
     if given:
         return Path(given)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multimax-serve" / "exports"
+
+
+def default_folder_export() -> str:
+    """--folder-export's default: the environment variable where it names a mode (read by Settings made in code too,
+    as the export cache's is: the tests' session sets wait), else auto. A bad value is load_settings' error."""
+    given = os.environ.get(ENV_PREFIX + "FOLDER_EXPORT", "").strip()
+    return given if given in FOLDER_EXPORT else "auto"
 
 
 def _bool(text: str) -> bool:
@@ -117,8 +126,9 @@ class Settings:
     models: tuple[str, ...] = ()  # empty: every model found in model_dir
     backend: str = "auto"
     # A Hugging Face folder under --backend auto/onnxruntime: exported once (validated) into export_cache and served
-    # from there on ONNX Runtime (service.engine.folder_export); "off", or --backend torch: served as it is, on PyTorch
-    folder_export: str = "auto"
+    # from there on ONNX Runtime (service.engine.folder_export), in the background while PyTorch serves it (auto) or
+    # before it answers (wait); "off", or --backend torch: served as it is, on PyTorch
+    folder_export: str = field(default_factory=default_folder_export)
     export_cache: Path = field(default_factory=default_export_cache)
     folder_export_timeout_s: float | None = None  # None: by the folder's size; 0: no limit
     device: str = "auto"
@@ -203,6 +213,7 @@ class Settings:
     max_kserve_json_output_bytes: int = 64 * 1024**2
     # Models that change while the server runs (warm-up, versions, the repository API).
     warmup_calls: int = 1  # each representative warm-up call runs this often at load; 0: no warm-up
+    warmup_budget_s: float = 10.0  # a model's warm-up stops starting calls past this (0: no limit)
     model_control: str = "none"  # "explicit": POST /v2/repository/models/{m}/load and /unload are allowed
 
     def __post_init__(self) -> None:
@@ -232,6 +243,8 @@ class Settings:
                      "warmup_calls", "prefill_chunk_tokens", "prefix_cache_mb"):
             if values[name] < 0:
                 raise ValueError(f"{name} must not be negative, got {values[name]}")
+        if not 0 <= self.warmup_budget_s < math.inf:
+            raise ValueError(f"warmup_budget_s must be 0 (no limit) or positive seconds, got {self.warmup_budget_s}")
         if self.folder_export_timeout_s is not None and not 0 <= self.folder_export_timeout_s < math.inf:
             raise ValueError(f"folder_export_timeout_s must be 0 (no limit) or positive seconds, got "
                              f"{self.folder_export_timeout_s}")
@@ -268,9 +281,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("models", _names, "comma-separated model names to serve (default: all in the directory)", "NAMES"),
     _Option("backend", str, "backend for models with several files: auto prefers .onnx, then .pt, then an engine",
             choices=BACKENDS),
-    _Option("folder_export", str, "a Hugging Face model folder, with --backend auto or onnxruntime: auto exports it "
-            "on first load (validated against PyTorch, kept in --export-cache) and serves the export on ONNX Runtime; "
-            "off serves the folder itself on PyTorch (as --backend torch does)", choices=FOLDER_EXPORT),
+    _Option("folder_export", str, "a Hugging Face model folder, with --backend auto or onnxruntime: auto serves it on "
+            "PyTorch at once and exports it in the background (validated against PyTorch, kept in --export-cache), "
+            "then serves the export on ONNX Runtime (in-flight requests finish on PyTorch); wait exports it before "
+            "the model answers; off serves the folder itself on PyTorch (as --backend torch does)",
+            choices=FOLDER_EXPORT),
     _Option("export_cache", Path, "directory of the Hugging Face folders' exports, keyed by the folders' content "
             "(safe to delete: an entry is made again on the next load)", "DIR"),
     _Option("folder_export_timeout_s", _export_timeout, "the longest a folder's export on first load may run before "
@@ -362,6 +377,8 @@ OPTIONS: tuple[_Option, ...] = (
             "bytes a value before the model runs (400 beyond; binary_data output has no such limit)", "BYTES"),
     _Option("warmup_calls", int, "at load, run each representative warm-up call (every batch size bucket; prefill and "
             "decode steps) this many times before the model is ready (0: no warm-up)", "N"),
+    _Option("warmup_budget_s", float, "at load, start no more warm-up calls once a model's warm-up has run this long "
+            "(0: no limit; prompts are at most 256 tokens and, on a CPU, batches at most 2 rows)", "S"),
     _Option("model_control", str, "explicit: POST /v2/repository/models/{m}/load and /unload (re)load and unload "
             "models while serving (Triton's --model-control-mode); none: the models of startup, fixed",
             choices=MODEL_CONTROL),

@@ -42,6 +42,17 @@ class Metrics:
         self.version_ready = Gauge(
             "multimax_model_version_ready", "1 for each loaded version of a model that serves requests (the "
             "latest one also serves the routes that name no version)", ("model", "version"), registry=r)
+        # Hugging Face folders exported while they serve (service.engine.background_export)
+        self.folder_export_state = Gauge(
+            "multimax_folder_export_state", "A Hugging Face folder's export: 1 for the state it is in (pending, "
+            "running, passed: the export serves, failed: PyTorch serves, see the card's serving.why; off), 0 for "
+            "the others", ("model", "state"), registry=r)
+        self.folder_exports = Counter(
+            "multimax_folder_exports", "Background exports of Hugging Face folders that ended, by outcome (passed: "
+            "switched to the export; failed: kept on PyTorch)", ("model", "outcome"), registry=r)
+        self.folder_export_switch = Gauge(
+            "multimax_folder_export_switch_seconds", "Seconds from a folder's background export starting to its "
+            "export serving (export, load, validation and warm-up)", m, registry=r)
         # generation
         self.ttft = Histogram(
             "multimax_time_to_first_token_seconds", "Time from arrival to the first generated token",

@@ -22,6 +22,7 @@ from models.tokenizer import TextTokenizer
 from service.base.config import Settings
 from service.base.metrics import Metrics
 from service.engine.backends.base import Backend
+from service.engine.export_status import ExportStatus
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class ModelEntry:
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # its files' (path, mtime, size) when it was loaded
     # a model folder's description (service.engine.model_folders): architecture, MultiMax placement, tokenizer
     details: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face folder's export (service.engine.export_status): which backend serves it now, and why
+    export: ExportStatus | None = None
     # The model in its task's types, set once when it is loaded (service.engine.registry.validate: `served.load`).
     model: TaskModel = field(init=False, repr=False, compare=False)
 
@@ -91,7 +94,8 @@ class ModelEntry:
         """What /v1/models and KServe metadata say about the model: architecture, where SegLU / MultiMax sits and
         its parameters, the tokenizer, the context length (never a path)."""
         if self.details:
-            return {**self.details, "context_length": self.context_length}
+            serving = {} if self.export is None else {"serving": self.export.card()}
+            return {**self.details, **serving, "context_length": self.context_length}
         multimax = None
         if isinstance(self.spec, TextSpec):
             rw = self.spec.reweighting

@@ -1,9 +1,11 @@
 """A Hugging Face model folder served from its onnxruntime-genai export, made on first load and cached (issue 40).
 
 A `ForCausalLM` folder served as it is runs on PyTorch at about 0.6 of the speed of its `python -m export DIR -o OUT`
-folder on ONNX Runtime. So, under `--folder-export auto` with `--backend auto` or `onnxruntime`, the registry asks
-`cached_export` for the folder's export: validated against PyTorch by the exporter, kept in `--export-cache` under a
-key of what it was made from, and reused by every later load. Layout of the cache:
+folder on ONNX Runtime. So, under `--folder-export auto` or `wait` with `--backend auto` or `onnxruntime`, the
+registry asks for the folder's export (`lookup` at load, then `export_outcome` in the background under auto,
+service.engine.background_export; before the model answers under wait): validated against PyTorch by the
+exporter, kept in `--export-cache` under a key of what it was made from, and reused by every later load.
+Layout of the cache:
 
     <key>/               a validated export: the onnxruntime-genai folder, its validation.json and MANIFEST
     <key>.failed.json    an export of that key that failed: not tried again (delete the file to retry)
@@ -27,44 +29,41 @@ export, not the server. Its progress lines become log lines; its verdict is its 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from service.base.config import Settings
+from service.engine import export_process
+from service.engine.export_process import REPORT, ExportRun
+
+__all__ = ["REPORT", "CachedExport", "ExportRun", "cached_export", "discard", "export_outcome", "exports_folders",
+           "lookup", "run_export"]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = 1  # bump when what this module asks of the export (its arguments, files) changes
 PRECISION = "fp32"  # the export's default: greedy text identical to PyTorch's
 MANIFEST = "export.json"
-REPORT = "validation.json"  # export.genai_folder.REPORT_FILE (service/ does not import export/)
 HASHES = "file-hashes.json"
 TMP = ".tmp-"
-HEARTBEAT_S = 30.0  # a log line at least this often while an export runs
 # --folder-export-timeout-s auto: the 125M-parameter Llama's 499 MB exported and validated in 88 s on 2 shared
 # cores (0.18 s a MB); a floor for small folders and about 5x that rate for large ones
 TIMEOUT_FLOOR_S = 600.0
 TIMEOUT_S_PER_MB = 1.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".pdf")
 DOC_STEMS = ("README", "LICENSE", "NOTICE", "USE_POLICY")
 # what the export and its validation run; a new version may write another graph or judge it otherwise
@@ -74,8 +73,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding models/, plu
 
 
 def exports_folders(settings: Settings) -> bool:
-    """Whether Hugging Face folders are served from their export: `--backend torch` asks for PyTorch itself."""
-    return settings.folder_export == "auto" and settings.backend in ("auto", "onnxruntime")
+    """Whether Hugging Face folders are served from their export (made in the background under auto, before the
+    model answers under wait): `--backend torch` asks for PyTorch itself."""
+    return settings.folder_export in ("auto", "wait") and settings.backend in ("auto", "onnxruntime")
 
 
 @dataclass
@@ -93,45 +93,6 @@ class CachedExport:
                 "source": source, "source_format": "huggingface-folder", "key": self.key,
                 "exported_at": self.manifest.get("exported_at"), "export_seconds": self.manifest.get("seconds"),
                 "validation": self.manifest.get("verdict"), "reused": not self.made}
-
-
-@dataclass
-class ExportRun:
-    """What one `python -m export` run gave: its exit code, its report (validation.json), what it printed last."""
-
-    code: int
-    report: dict[str, Any] | None
-    seconds: float
-    tail: list[str] = field(default_factory=list)
-    timed_out: float | None = None  # the limit it ran past (it was then stopped)
-
-    @property
-    def passed(self) -> bool:
-        return self.code == 0 and self.report is not None and bool(self.report.get("passed"))
-
-    @property
-    def reason(self) -> str:
-        if self.timed_out is not None:
-            return (f"the export ran past its limit of {self.timed_out:.0f} s and was stopped "
-                    "(--folder-export-timeout-s)")
-        if self.code < 0:
-            try:
-                return f"the export was killed by {signal.Signals(-self.code).name}"
-            except ValueError:
-                return f"the export was killed by signal {-self.code}"
-        if self.report is not None and not self.report.get("passed"):
-            problems = [str(p) for p in self.report.get("problems", [])][:3]
-            return "validation failed: " + ("; ".join(problems) or str(self.report.get("verdict")))
-        said = next((line for line in reversed(self.tail) if line.startswith("error:")), None)
-        last = said or (self.tail[-1] if self.tail else "no output")
-        return f"python -m export exited with {self.code}: {last[:300]}"
-
-    @property
-    def lasting(self) -> bool:
-        """A failure worth recording: the export ran to its end and said no, or ran past its limit (recorded with
-        the limit: a load with a longer one tries again). A signal, a person's ^C or an out-of-memory kill, is tried
-        again next time."""
-        return self.code > 0 or self.timed_out is not None
 
 
 # ---- the key ----------------------------------------------------------------------------------------------------
@@ -220,30 +181,57 @@ def export_key(folder: Path, cache: Path, label: str) -> tuple[str, dict[str, An
 # ---- the cache --------------------------------------------------------------------------------------------------
 
 
-def cached_export(label: str, source: Path, settings: Settings) -> CachedExport | None:
+def cached_export(label: str, source: Path, settings: Settings,
+                  stop: threading.Event | None = None) -> CachedExport | None:
     """The validated export of the Hugging Face folder `source` (named `label` in the log), from the cache or made
     now; None when there is none (the export failed, now or before, or the cache is unusable): the log says why, and
     the caller serves the folder itself."""
+    found = export_outcome(label, source, settings, stop)
+    return found if isinstance(found, CachedExport) else None
+
+
+def export_outcome(label: str, source: Path, settings: Settings,
+                   stop: threading.Event | None = None) -> CachedExport | str:
+    """cached_export's answer, or why there is none (a line for the model's card). `stop` ends an export running
+    in the background (the server shuts down)."""
     cache = settings.export_cache
     try:
         cache.mkdir(parents=True, exist_ok=True)
         key, inputs = export_key(source, cache, label)
         size = sum(p.stat().st_size for p in content_files(source))
         limit = timeout_for(settings, size)
-        found = _ready(cache / key, key)
-        if found is None and _failure(cache, key, label, limit) is None:
+        found: CachedExport | str | None = _ready(cache / key, key)
+        if found is None:
+            found = _failure(cache, key, label, limit)
+        if found is None:
             with _locked(cache / f"{key}.lock", f"{label}: waiting for another process exporting it ({cache / key})"):
                 # another process (or thread) may have finished, or failed, while this one waited
-                found = _ready(cache / key, key)
-                if found is None and _failure(cache, key, label, limit) is None:
-                    return _export(label, source, key, inputs, settings, size, limit)
+                found = _ready(cache / key, key) or _failure(cache, key, label, limit)
+                if found is None:
+                    return _export(label, source, key, inputs, settings, size, limit, stop)
     except OSError as exc:
         log.warning("%s: the export cache %s is unusable (%s); serving the folder on PyTorch", label, cache, exc)
-        return None
-    if found is not None:
+        return f"the export cache is unusable ({exc.strerror or type(exc).__name__})"
+    if isinstance(found, CachedExport):
         log.info("%s: serving its cached export %s (made %s, %s)", label, found.folder,
                  found.manifest.get("exported_at"), found.manifest.get("verdict"))
     return found
+
+
+def lookup(label: str, source: Path, settings: Settings) -> CachedExport | str | None:
+    """What the cache holds for the folder now, without exporting: its validated export, why there is none (a
+    recorded failure that still holds, an unusable cache) or None (no export yet: one may run). Reads no weights
+    once their digests are in file-hashes.json."""
+    cache = settings.export_cache
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        key, _ = export_key(source, cache, label)
+        limit = timeout_for(settings, sum(p.stat().st_size for p in content_files(source)))
+        found = _ready(cache / key, key)
+        return found if found is not None else _failure(cache, key, label, limit)
+    except OSError as exc:
+        log.warning("%s: the export cache %s is unusable (%s); serving the folder on PyTorch", label, cache, exc)
+        return f"the export cache is unusable ({exc.strerror or type(exc).__name__})"
 
 
 def discard(export: CachedExport) -> None:
@@ -274,8 +262,8 @@ def timeout_for(settings: Settings, size: int) -> float | None:
     return TIMEOUT_FLOOR_S + TIMEOUT_S_PER_MB * size / 1e6
 
 
-def _failure(cache: Path, key: str, label: str, limit: float | None) -> dict[str, Any] | None:
-    """The recorded failure of the key's export, if it still holds: one that ran past a shorter limit than this
+def _failure(cache: Path, key: str, label: str, limit: float | None) -> str | None:
+    """Why the key's export failed, as recorded, if that still holds: one that ran past a shorter limit than this
     load's does not (the export is tried again)."""
     marker = cache / f"{key}.failed.json"
     failed = _read_json(marker)
@@ -288,11 +276,12 @@ def _failure(cache: Path, key: str, label: str, limit: float | None) -> dict[str
         return None
     log.warning("%s: not exported: its export failed before (%s, %s); serving the folder on PyTorch. Delete %s to "
                 "try again", label, failed.get("reason"), failed.get("failed_at"), marker)
-    return failed
+    return (f"{failed.get('reason')} (at {failed.get('failed_at')}; recorded: delete {marker.name} in the export "
+            "cache to try again)")
 
 
 def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings: Settings, size: int,
-            limit: float | None) -> CachedExport | None:
+            limit: float | None, stop: threading.Event | None) -> CachedExport | str:
     """Export under the key's lock: in a temporary directory of the cache, renamed into place once validated."""
     cache = settings.export_cache
     entry = cache / key
@@ -306,7 +295,7 @@ def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings
              label, _size(size), entry, "none" if limit is None else f"{limit:.0f} s")
     work = Path(tempfile.mkdtemp(prefix=f"{TMP}{key}-", dir=cache))
     try:
-        run = run_export(label, source, work / "export", settings, limit)
+        run = run_export(label, source, work / "export", settings, limit, stop)
         if not run.passed:
             if run.lasting:
                 _write_json(cache / f"{key}.failed.json",
@@ -316,7 +305,7 @@ def _export(label: str, source: Path, key: str, inputs: dict[str, Any], settings
             log.warning("%s: not exported (%s) after %.1f s; serving the folder on PyTorch%s", label, run.reason,
                         run.seconds, f". Recorded in {cache / (key + '.failed.json')}: later loads of this content "
                         "skip the export (delete the file to try again)" if run.lasting else "")
-            return None
+            return run.reason
         report = run.report or {}
         manifest = {"key": key, "passed": True, "verdict": report.get("verdict"), "source": label,
                     "architecture": _architecture(source), "exported_at": _now(), "seconds": round(run.seconds, 1),
@@ -340,108 +329,20 @@ def _publish(folder: Path, entry: Path, manifest: dict[str, Any]) -> None:
     _sync_dir(entry.parent)
 
 
-# ---- the export, in a child process ----------------------------------------------------------------------------
+# ---- the export, in a child process (service.engine.export_process) --------------------------------------------
 
 
 def export_command(source: Path, out: Path, settings: Settings) -> list[str]:
-    """`python -m export SOURCE -o OUT` with progress (parsed by run_export); PyTorch threads as the server's."""
+    """`python -m export SOURCE -o OUT` with progress (parsed by export_process); PyTorch threads as the server's."""
     threads = ["--threads", str(settings.intra_op_threads)] if settings.intra_op_threads else []
     return [sys.executable, "-m", "export", str(source.resolve()), "-o", str(out), *threads]
 
 
-def run_export(label: str, source: Path, out: Path, settings: Settings, limit: float | None = None) -> ExportRun:
-    """Run the export of `source` into the new folder `out`, logging its steps as they start and a line every
-    HEARTBEAT_S while one lasts. It is stopped, with whatever it started (its own process group), when it runs past
-    `limit` seconds or the server stops meanwhile (^C); on Linux it also dies with the server (a SIGKILL of the
-    server leaves no export running on)."""
-    start = time.monotonic()
-    progress = _Progress(label, start)
-    timed_out = None
-    with open(out.parent / "export.log", "wb") as summary:  # the exporter's summary; the report has it all
-        proc = subprocess.Popen(export_command(source, out, settings), stdin=subprocess.DEVNULL, stdout=summary,
-                                stderr=subprocess.PIPE, cwd=out.parent, start_new_session=True,
-                                preexec_fn=_dies_with(os.getpid()))
-        assert proc.stderr is not None
-        reader = threading.Thread(target=progress.read, args=(proc.stderr,), name=f"export {label}", daemon=True)
-        reader.start()
-        try:
-            while True:
-                left = None if limit is None else limit - (time.monotonic() - start)
-                if left is not None and left <= 0:
-                    timed_out = limit
-                    log.warning("%s: the export ran past its limit of %.0f s (%s); stopping it", label, limit,
-                                progress.step or "starting")
-                    _stop(proc)
-                    code = proc.returncode
-                    break
-                try:
-                    code = proc.wait(timeout=HEARTBEAT_S if left is None else min(HEARTBEAT_S, left))
-                    break
-                except subprocess.TimeoutExpired:
-                    log.info("%s: exporting: %s, %.0f s so far", label, progress.step or "starting",
-                             time.monotonic() - start)
-        except BaseException:
-            _stop(proc)
-            raise
-        reader.join(10)
-    report = None if timed_out is not None else _read_json(out / REPORT) or None
-    return ExportRun(code, report, time.monotonic() - start, list(progress.tail), timed_out)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """The export and everything it started (its session's process group) killed, and reaped."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _dies_with(parent: int) -> Callable[[], None] | None:
-    """For the child, before it runs the export: the kernel kills it when the server dies (prctl PR_SET_PDEATHSIG,
-    Linux; kept across exec; fired when the thread that started it ends, and that thread waits in run_export until
-    the export has ended). The function is looked up here, before the fork: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_parent_death_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent:  # the server died before the line above: nobody will kill this child
-            os._exit(1)
-    return set_parent_death_signal
-
-
-class _Progress:
-    """The exporter's progress lines (tqdm: `step: 00:05`, `step:  35%|...`, rewritten with \\r) as one log line per
-    step; other lines are kept (the last 20) to say why an export failed."""
-
-    STEP = re.compile(r"(.+?):\s+(?:\d+:\d\d\b|\d+%\|)")
-
-    def __init__(self, label: str, start: float) -> None:
-        self.label, self.start = label, start
-        self.step = ""
-        self.tail: deque[str] = deque(maxlen=20)
-
-    def read(self, stream: IO[bytes]) -> None:
-        pending = b""
-        for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]
-            pending += chunk
-            *pieces, pending = re.split(rb"[\r\n]", pending)
-            for piece in pieces:
-                self.line(piece.decode(errors="replace").strip())
-        self.line(pending.decode(errors="replace").strip())
-
-    def line(self, text: str) -> None:
-        if not text:
-            return
-        match = self.STEP.match(text)
-        if match is None:
-            self.tail.append(text)
-        elif match[1] != self.step:
-            self.step = match[1]
-            log.info("%s: exporting: %s (%.0f s)", self.label, self.step, time.monotonic() - self.start)
+def run_export(label: str, source: Path, out: Path, settings: Settings, limit: float | None = None,
+               stop: threading.Event | None = None) -> ExportRun:
+    """The export of `source` into the new folder `out`, in a child process (export_process.run: its limit, `stop`,
+    its process group)."""
+    return export_process.run(label, export_command(source, out, settings), out, limit, stop)
 
 
 # ---- small helpers ----------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ numbered version directory inside `name/` (Triton's layout), beside the model fi
 
 Both carry a real tokenizer (models.hf_text) and, where tokenizer_config.json has one, a chat template.
 A Hugging Face folder under `--folder-export auto` (and `--backend auto` or `onnxruntime`) is served from its
-onnxruntime-genai export instead, made and validated on first load and cached (service.engine.folder_export).
+onnxruntime-genai export (made and validated once, cached: service.engine.folder_export) where the cache holds one;
+otherwise on PyTorch at once, its export made in the background (service.engine.background_export) and served
+once it passed. Under `--folder-export wait` the export is made before the model answers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,7 +38,8 @@ from service.engine.backends.onnxruntime import _read_graph, fused_ops_state, se
 from service.engine.backends.probe import onnxruntime_providers, torch_cuda_available
 from service.engine.backends.torch import TorchTextBackend
 from service.engine.entry import ModelEntry
-from service.engine.folder_export import cached_export, discard, exports_folders
+from service.engine.export_status import OFF, PENDING, ExportStatus
+from service.engine.folder_export import CachedExport, discard, export_outcome, exports_folders, lookup
 from service.engine.tasks import served
 
 log = logging.getLogger(__name__)
@@ -359,36 +363,67 @@ def _with_tokenizer(spec: Any, tokenizer: HFTextTokenizer) -> TextSpec:
 
 
 def load_folder_entry(name: str, kind: str, path: Path, settings: Settings) -> ModelEntry:
-    """The model of a folder: kind is HF_FOLDER or GENAI_FOLDER (folder_kind)."""
-    if kind == HF_FOLDER and exports_folders(settings):  # issue 40: its cached export, where there is one
-        entry = _load_exported(name, path, settings)
-        if entry is not None:
-            return entry
-    return load_hf_folder(name, path, settings) if kind == HF_FOLDER else load_genai_folder(name, path, settings)
+    """The model of a folder: kind is HF_FOLDER or GENAI_FOLDER (folder_kind). A Hugging Face folder's entry says
+    which backend serves it and why (`export`); one left PENDING is exported in the background (its `make` is set
+    by service.engine.registry)."""
+    if kind != HF_FOLDER:
+        return load_genai_folder(name, path, settings)
+    label = _label(name, path)
+    made: ModelEntry | str | None
+    if not exports_folders(settings):
+        made = f"--{'backend torch' if settings.backend == 'torch' else 'folder-export off'} serves the folder itself"
+    elif settings.folder_export == "wait":  # issue 40: the export, made now, before the model answers
+        made = load_exported(name, path, settings)
+    else:  # issue 50: the cache's export, if it holds one; else PyTorch now and the export in the background
+        found = lookup(label, path, settings)
+        made = _exported_entry(name, label, found, settings) if isinstance(found, CachedExport) else found
+    if isinstance(made, ModelEntry):
+        return made
+    entry = load_hf_folder(name, path, settings)
+    if made is None:
+        entry.export = ExportStatus(PENDING)
+    else:
+        entry.export = ExportStatus(OFF, reason=made) if not exports_folders(settings) else ExportStatus.failed(made)
+    return entry
 
 
 # ---- a Hugging Face folder served from its cached export (service.engine.folder_export) --------------------------
 
 
-def _load_exported(name: str, path: Path, settings: Settings) -> ModelEntry | None:
-    """The folder's validated onnxruntime-genai export, made on first load and cached, loaded under the folder's name
-    (its tokenizer, chat template and SegLU are the export's copies); None: serve the folder itself (the log says
-    why). A cached entry that onnxruntime cannot load is damaged: it is made again, once."""
-    label = name if path.name == name else f"{name}/{path.name}"  # a version directory: "name/2"
+def _label(name: str, path: Path) -> str:
+    return name if path.name == name else f"{name}/{path.name}"  # a version directory: "name/2"
+
+
+def load_exported(name: str, path: Path, settings: Settings, stop: threading.Event | None = None) -> ModelEntry | str:
+    """The folder's validated onnxruntime-genai export, made now if the cache has none, loaded under the folder's
+    name (its tokenizer, chat template and SegLU are the export's copies); or why not (serve the folder itself). A
+    cached entry that onnxruntime cannot load is damaged: it is made again, once. `stop`: the server stops."""
+    label = _label(name, path)
+    why = "its export does not load"
     for _ in range(2):
-        export = cached_export(label, path, settings)
-        if export is None:
-            return None
-        try:
-            entry = load_genai_folder(name, export.folder, settings)
-        except BackendUnavailable as exc:
-            if export.made:
-                log.warning("%s: its new export does not load (%s); serving the folder on PyTorch", label, exc)
-                return None
+        export = export_outcome(label, path, settings, stop)
+        if isinstance(export, str):
+            return export
+        entry = _exported_entry(name, label, export, settings)
+        if entry is not None:
+            return entry
+        if export.made:
+            return why
+    return why
+
+
+def _exported_entry(name: str, label: str, export: CachedExport, settings: Settings) -> ModelEntry | None:
+    """The export loaded, or None when onnxruntime cannot load it (a cached one is then discarded: made again)."""
+    try:
+        entry = load_genai_folder(name, export.folder, settings)
+    except BackendUnavailable as exc:
+        if export.made:
+            log.warning("%s: its new export does not load (%s); serving the folder on PyTorch", label, exc)
+        else:
             log.warning("%s: its cached export %s does not load (%s): exporting it again", label, export.folder, exc)
             discard(export)
-            continue
-        architecture = export.manifest.get("architecture") or entry.details["architecture"]
-        entry.details = {**entry.details, "architecture": architecture, "served_from": export.describe(label)}
-        return entry
-    return None
+        return None
+    architecture = export.manifest.get("architecture") or entry.details["architecture"]
+    entry.details = {**entry.details, "architecture": architecture, "served_from": export.describe(label)}
+    entry.export = ExportStatus.passed(reused=not export.made)
+    return entry

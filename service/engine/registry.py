@@ -11,8 +11,10 @@ never keeps the others offline.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -23,8 +25,9 @@ from service.base.config import Settings
 from service.base.errors import without_paths
 from service.engine.backends.base import Backend, BackendUnavailable
 from service.engine.entry import Failed, Loaded, ModelEntry
+from service.engine.export_status import PENDING
 from service.engine.folder_export import exports_folders
-from service.engine.model_folders import HF_FOLDER, folder_files, folder_kind, load_folder_entry
+from service.engine.model_folders import HF_FOLDER, folder_files, folder_kind, load_exported, load_folder_entry
 from service.engine.tasks import served
 from service.engine.warmup import warm_up
 
@@ -257,6 +260,27 @@ def load_version(name: str, version: int, files: Files, settings: Settings) -> M
     log.info("loaded %s version %d (%s, %s on %s) in %.2f s, warmed up with %d calls in %.2f s", name, version,
              entry.task, entry.backend.kind, entry.backend.provider, loaded - start, calls,
              time.perf_counter() - loaded)
+    if entry.export is not None and entry.export.state == PENDING:  # issue 50: exported while it serves
+        entry.export.make = functools.partial(exported_version, name, version, files[kind], stamp, settings)
+        log.info("%s: serves on PyTorch now; its onnxruntime-genai export runs in the background once the server "
+                 "starts (--folder-export wait makes it before the model answers)", name)
+    return entry
+
+
+def exported_version(name: str, version: int, source: Path, stamp: tuple[tuple[str, int, int], ...],
+                     settings: Settings, stop: threading.Event) -> ModelEntry | str:
+    """The Hugging Face folder `source`'s export as version `version` of `name`, made if the cache has none, loaded,
+    validated and warmed up as load_version does; or why it cannot serve (service.engine.background_export)."""
+    entry = load_exported(name, source, settings, stop)
+    if isinstance(entry, str):
+        return entry
+    try:
+        validate(entry, source.name)
+        warm_up(entry, settings)
+    except Exception as exc:  # the export made it through its validation, but not the server's own checks
+        entry.backend.close()
+        return f"its export does not serve: {_one_line(exc)}"
+    entry.version, entry.source, entry.fingerprint = version, source, stamp
     return entry
 
 

@@ -18,6 +18,7 @@ from models.output_function import probabilities
 from service.base.config import Settings
 from service.base.errors import ServiceError, shown
 from service.base.metrics import UNKNOWN_MODEL, Metrics
+from service.engine.background_export import BackgroundExports, publish_state
 from service.engine.decoding import DecodePool
 from service.engine.engine_errors import ShuttingDown
 from service.engine.entry import Failed, Loaded, ModelEntry, ModelRuntime
@@ -75,6 +76,7 @@ class Runtimes:
         self.ready = False
         self.decoder = DecodePool(settings.decode_threads)  # every vision model's images, fairly between requests
         self._version_series: set[tuple[str, str]] = set()  # (model, version) series of multimax_model_version_ready
+        self.exports = BackgroundExports(self)  # Hugging Face folders exported while they serve on PyTorch
         for name, versions in entries.items():
             self.versions[name] = {v: self.runtime_of(e) for v, e in sorted(versions.items())}
             self.publish(name)
@@ -94,6 +96,8 @@ class Runtimes:
             rt = self.models[name] = versions[max(versions)]
             self.metrics.init_model(name, rt.entry.served.endpoints)
             ready.set_function(self._readiness(rt))
+            if rt.entry.export is not None:
+                publish_state(self.metrics, name, rt.entry.export)
         else:
             self.versions.pop(name, None)
             self.models.pop(name, None)
@@ -131,19 +135,25 @@ class Runtimes:
         return out
 
     def start(self) -> None:
+        """Start every model's worker, then (on the event loop) the exports of folders served on PyTorch meanwhile."""
         for versions in self.versions.values():
             for rt in versions.values():
                 rt.worker.start()
         self.ready = True
+        for versions in self.versions.values():
+            for rt in versions.values():
+                self.exports.start(rt)
 
     def start_runtime(self, rt: ModelRuntime) -> None:
         if not self.ready:
             raise ShuttingDown("server is not started or shutting down")
         rt.worker.start()
+        self.exports.start(rt)
 
     async def release(self, rt: ModelRuntime, wait: bool = True) -> None:
         """Stop a runtime: its worker finishes what it accepted (after its last requests, `wait`), then it is freed."""
         self.draining.add(rt)
+        self.exports.cancel(rt)
         try:
             if wait:
                 await rt.drained()
@@ -164,6 +174,7 @@ class Runtimes:
     async def stop(self) -> None:
         """Finish queued and running work (new work is refused meanwhile), then release the models."""
         self.ready = False
+        await self.exports.stop()  # no export runs on, nothing is switched in
         for rt in self.draining:
             rt.stop_waiting()  # shutting down: uvicorn has already waited for the in-flight requests
         runtimes = [rt for versions in self.versions.values() for rt in versions.values()]

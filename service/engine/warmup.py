@@ -3,18 +3,29 @@ kernel selection and caching allocator, torch.compile's tracing), so a freshly l
 calls before it is marked ready and takes its first request.
 
 Classification: one batch of every size bucket the batcher forms (powers of two up to --max-batch-size, and that
-size). Generation: a prefill at a short and at a half-context prompt length, each followed by decode steps on its
-KV cache, for one sequence and for a small batch. `--warmup-calls N` repeats each call N times; 0 turns it off.
+size). Generation: a prefill at a short and at a longer prompt length (half the context, at most LONG_PROMPT
+tokens), each followed by decode steps on its KV cache, for one sequence and for a small batch (at most 2 rows on a
+CPU, 4 elsewhere), the cheapest calls first. `--warmup-calls N` repeats each call N times; 0 turns it off.
+`--warmup-budget-s` bounds it: once a model's warm-up has run that long, it starts no more calls (issue 50: 1,024-token
+prompts at batch 4 through SmolLM2's 30 layers took minutes on 2 cores; the first requests then pay what was cut).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 from service.base.config import Settings
 from service.engine.entry import ModelEntry
 
+log = logging.getLogger(__name__)
+
 DECODE_STEPS = 4
 SHORT_PROMPT = 16
-LONG_PROMPT = 1024  # a Hugging Face model's context can be 32k+: half of it, batched, would take minutes on a CPU
+# The longer prompt: a length past the prefill's small-shape paths, not the context's worst case (a Hugging Face
+# model's context can be 32k+; half of it, batched, takes minutes on a CPU and tells the runtime nothing new).
+LONG_PROMPT = 256
+CPU_BATCH, BATCH = 2, 4
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -26,6 +37,23 @@ def batch_buckets(max_batch: int) -> list[int]:
 def prompt_lengths(context: int) -> list[int]:
     room = max(1, context - DECODE_STEPS)
     return sorted({min(SHORT_PROMPT, room), max(1, min(context // 2, room, LONG_PROMPT))})
+
+
+def warm_batches(provider: str, max_running: int) -> list[int]:
+    """The batch sizes a text model warms up with: 1 and a small batch (smaller on a CPU, where rows cost time)."""
+    on_cpu = "cuda" not in provider.lower() and "tensorrt" not in provider.lower()
+    return sorted({1, min(CPU_BATCH if on_cpu else BATCH, max_running)})
+
+
+class Budget:
+    """How long a model's warm-up may go on starting calls (`--warmup-budget-s`; 0: no limit)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.seconds > 0 and time.perf_counter() - self.start >= self.seconds
 
 
 def warm_up(entry: ModelEntry, settings: Settings) -> int:

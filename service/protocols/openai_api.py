@@ -69,6 +69,9 @@ class ModelCard(BaseModel):
     # A Hugging Face folder served from its cached onnxruntime-genai export (service.engine.folder_export): the source
     # folder's name, the cache key, when it was exported and its validation verdict
     served_from: dict[str, Any] | None = None
+    # A Hugging Face folder: which backend serves it now and why (service.engine.export_status), e.g. PyTorch while
+    # its export runs in the background, the export once it passed, PyTorch with the reason its export failed
+    serving: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -36,8 +36,9 @@ def service_digits() -> list[tuple[bytes, int]]:
 
 @pytest.fixture(scope="module")
 def service_client() -> Iterator[TestClient]:
-    """The demo models (ONNX Runtime) served in-process."""
-    with TestClient(create_app(Settings()), raise_server_exceptions=False) as client:
+    """The demo models (ONNX Runtime) served in-process; the demo LLM's folder from its export, made before it
+    answers (wait: under auto it would answer on PyTorch until its background export is done)."""
+    with TestClient(create_app(Settings(folder_export="wait")), raise_server_exceptions=False) as client:
         yield client
 
 

@@ -3,6 +3,7 @@ KServe codec, in one place (the `serve` part of models.tasks' text row)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +23,9 @@ from service.engine.entry import InferCall, InferResult, ModelEntry, ModelRuntim
 from service.engine.tasks.shapes import compare, session_shapes
 from service.engine.text import TextScheduler
 from service.engine.text.delivery import stream_interval_s
-from service.engine.warmup import DECODE_STEPS, prompt_lengths
+from service.engine.warmup import DECODE_STEPS, Budget, prompt_lengths, warm_batches
+
+log = logging.getLogger(__name__)
 
 
 def load(entry: ModelEntry, source: str) -> TextModel:
@@ -87,26 +90,31 @@ class TextModel(TaskModel):
 
     @torch.inference_mode()
     def warm_up(self, settings: Settings) -> int:
-        """A prefill at a short and at a half-context prompt length, each followed by decode steps on its KV cache,
-        for one sequence and for a small batch."""
+        """A prefill at a short and at a longer prompt length, each followed by decode steps on its KV cache, for
+        one sequence and for a small batch, cheapest first, until --warmup-budget-s is spent
+        (service.engine.warmup)."""
         backend = self.backend
         context, vocab = self.spec.context_length, self.spec.vocab_size
         rng = np.random.default_rng(0)
+        budget = Budget(settings.warmup_budget_s)
         calls = 0
-        for batch in sorted({1, min(4, settings.max_running_sequences)}):
-            for length in prompt_lengths(context):
-                for _ in range(settings.warmup_calls):
-                    ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
-                    mask = np.ones_like(ids)
-                    positions = np.cumsum(mask, axis=1) - 1
-                    _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
-                    calls += 1
-                    for _ in range(min(DECODE_STEPS, context - length)):
-                        positions = mask.sum(axis=1, keepdims=True)
-                        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-                        _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask,
-                                                   positions, past)
-                        calls += 1
+        shapes = [(batch, length) for batch in warm_batches(str(backend.provider), settings.max_running_sequences)
+                  for length in prompt_lengths(context) for _ in range(settings.warmup_calls)]
+        for done, (batch, length) in enumerate(shapes):
+            if done and budget.spent():  # the cheapest call always runs
+                log.info("%s: warm-up stopped after %d of %d prefills: --warmup-budget-s %g spent", self.entry.name,
+                         done, len(shapes), settings.warmup_budget_s)
+                break
+            ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
+            mask = np.ones_like(ids)
+            positions = np.cumsum(mask, axis=1) - 1
+            _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
+            calls += 1
+            for _ in range(min(DECODE_STEPS, context - length)):
+                positions = mask.sum(axis=1, keepdims=True)
+                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask, positions, past)
+                calls += 1
         return calls
 
     def runtime(self, executor: ThreadPoolExecutor, settings: Settings, metrics: Metrics) -> TextRuntime:

@@ -165,10 +165,15 @@ def test_warm_up_runs_every_batch_bucket_and_prefill_plus_decode(model_dir: Path
     calls = warm_up(text, settings.replace(warmup_calls=1))
     lengths = prompt_lengths(128)
     assert lengths == [16, 64]
-    expected = [shape for b in (1, 3) for n in lengths
+    # on a CPU a batch of at most 2 rows (3 running sequences allowed), cheapest first
+    expected = [shape for b in (1, 2) for n in lengths
                 for shape in [(b, n, n), *((b, 1, n + k) for k in range(1, DECODE_STEPS + 1))]]
     assert shapes == expected
     assert calls == len(shapes) == 2 * 2 * (1 + DECODE_STEPS)
+    assert prompt_lengths(8192) == [16, 256]  # a long context warms up at 256 tokens, not half of it
+    shapes.clear()  # a budget spent after the first prefill and its decode steps: nothing more is started
+    assert warm_up(text, settings.replace(warmup_calls=1, warmup_budget_s=1e-9)) == 1 + DECODE_STEPS
+    assert shapes == expected[:1 + DECODE_STEPS]
 
 
 def test_warmup_and_model_control_options_come_from_cli_and_env() -> None:
@@ -181,6 +186,12 @@ def test_warmup_and_model_control_options_come_from_cli_and_env() -> None:
         load_settings(["--warmup-calls", "-1"], {})
     with pytest.raises(SystemExit):
         load_settings(["--model-control", "poll"], {})
+    assert Settings().warmup_budget_s == 10.0
+    assert load_settings(["--warmup-budget-s", "2.5"], {}).warmup_budget_s == 2.5
+    assert load_settings([], {"MULTIMAX_SERVE_WARMUP_BUDGET_S": "0"}).warmup_budget_s == 0  # no limit
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            load_settings(["--warmup-budget-s", bad], {})
 
 
 @run_async

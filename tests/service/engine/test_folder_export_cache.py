@@ -60,7 +60,10 @@ def exported(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def settings(repo: Path, cache: Path, **changes: Any) -> Settings:
-    return Settings(model_dir=repo, export_cache=cache, warmup_calls=0, intra_op_threads=1, **changes)
+    """The cache's own tests export before the model answers (wait); test_background_export.py tests auto's
+    background export."""
+    return Settings(model_dir=repo, export_cache=cache, warmup_calls=0, intra_op_threads=1,
+                    **{"folder_export": "wait", **changes})
 
 
 def entries(cache: Path) -> list[Path]:
@@ -319,7 +322,7 @@ def test_an_export_past_its_limit_is_stopped_with_what_it_started_and_recorded(
     calls: list[float | None] = []
 
     def interrupted(*args: Any) -> folder_export.ExportRun:
-        calls.append(args[-1])
+        calls.append(args[4])  # the limit (then the stop event)
         return folder_export.ExportRun(-2, None, 0.1)  # a ^C: not recorded, the marker stays
     monkeypatch.setattr(folder_export, "run_export", interrupted)
     for limit in (3.0, 0.0):
