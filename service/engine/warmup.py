@@ -46,14 +46,24 @@ def warm_batches(provider: str, max_running: int) -> list[int]:
 
 
 class Budget:
-    """How long a model's warm-up may go on starting calls (`--warmup-budget-s`; 0: no limit)."""
+    """How long a model's warm-up may go on starting calls (`--warmup-budget-s`; 0: no limit). A call is not
+    started when the last one, scaled by its size (rows x tokens), would end past the budget: on a busy CPU one
+    256-token prefill of SmolLM2 took 10 s, and starting it at second 9 doubled the warm-up."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.start = time.perf_counter()
+        self.last: tuple[float, int] | None = None  # (seconds, size) of the last call
 
-    def spent(self) -> bool:
-        return self.seconds > 0 and time.perf_counter() - self.start >= self.seconds
+    def ran(self, seconds: float, size: int) -> None:
+        self.last = (seconds, max(1, size))
+
+    def allows(self, size: int) -> bool:
+        """Whether a call of `size` (rows x tokens) may start."""
+        if self.seconds <= 0:
+            return True
+        expected = 0.0 if self.last is None else self.last[0] * size / self.last[1]
+        return time.perf_counter() - self.start + expected < self.seconds
 
 
 def warm_up(entry: ModelEntry, settings: Settings) -> int:

@@ -101,19 +101,25 @@ class TextModel(TaskModel):
         shapes = [(batch, length) for batch in warm_batches(str(backend.provider), settings.max_running_sequences)
                   for length in prompt_lengths(context) for _ in range(settings.warmup_calls)]
         for done, (batch, length) in enumerate(shapes):
-            if done and budget.spent():  # the cheapest call always runs
-                log.info("%s: warm-up stopped after %d of %d prefills: --warmup-budget-s %g spent", self.entry.name,
+            if done and not budget.allows(batch * length):  # the cheapest call always runs
+                log.info("%s: warm-up stopped after %d of %d prefills: --warmup-budget-s %g", self.entry.name,
                          done, len(shapes), settings.warmup_budget_s)
                 break
             ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
             mask = np.ones_like(ids)
             positions = np.cumsum(mask, axis=1) - 1
+            started = time.perf_counter()
             _, past = backend.run_text(ids, mask, positions, backend.empty_past(batch))
+            budget.ran(time.perf_counter() - started, batch * length)
             calls += 1
             for _ in range(min(DECODE_STEPS, context - length)):
+                if not budget.allows(batch):
+                    break
                 positions = mask.sum(axis=1, keepdims=True)
                 mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                started = time.perf_counter()
                 _, past = backend.run_text(rng.integers(0, vocab, (batch, 1), dtype=np.int64), mask, positions, past)
+                budget.ran(time.perf_counter() - started, batch)
                 calls += 1
         return calls
 

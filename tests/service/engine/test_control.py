@@ -23,7 +23,7 @@ from models.demo import DEMO_DIR
 from service.base.config import Settings, load_settings
 from service.edge.app import create_app
 from service.engine.registry import load_version, scan
-from service.engine.warmup import DECODE_STEPS, batch_buckets, prompt_lengths, warm_up
+from service.engine.warmup import DECODE_STEPS, Budget, batch_buckets, prompt_lengths, warm_up
 from service.protocols import control
 from tests.service.support import started
 
@@ -171,9 +171,12 @@ def test_warm_up_runs_every_batch_bucket_and_prefill_plus_decode(model_dir: Path
     assert shapes == expected
     assert calls == len(shapes) == 2 * 2 * (1 + DECODE_STEPS)
     assert prompt_lengths(8192) == [16, 256]  # a long context warms up at 256 tokens, not half of it
-    shapes.clear()  # a budget spent after the first prefill and its decode steps: nothing more is started
-    assert warm_up(text, settings.replace(warmup_calls=1, warmup_budget_s=1e-9)) == 1 + DECODE_STEPS
-    assert shapes == expected[:1 + DECODE_STEPS]
+    shapes.clear()  # a budget spent by the first prefill (which always runs): nothing more is started
+    assert warm_up(text, settings.replace(warmup_calls=1, warmup_budget_s=1e-9)) == 1
+    assert shapes == expected[:1]
+    budget = Budget(10.0)  # a call that the last one, scaled by its size, says would end past the budget: not started
+    budget.ran(3.0, 256)
+    assert budget.allows(512) and not budget.allows(1024) and Budget(0).allows(10**9)
 
 
 def test_warmup_and_model_control_options_come_from_cli_and_env() -> None:
