@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from export.fast_rewrites import op_type_filtered_rewrites
-from export.onnx_io import DEFAULT_THRESHOLD, external_threshold, save_model
+from export.onnx_io import DEFAULT_THRESHOLD, external_threshold, proto_of, save_model
 from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
 from models.checkpoint import Checkpoint
@@ -216,7 +216,7 @@ def _finish(
         fn = ir.serde.deserialize_function(proto)
         program.model.functions[fn.identifier()] = fn
     program.model.opset_imports[ONNX_DOMAIN] = 1
-    proto = program.model_proto
+    proto = proto_of(program.model, out)  # a large model: never the IR's and the proto's weights at once
     if inline:
         proto = onnx.inliner.inline_local_functions(proto)
         del proto.functions[:]

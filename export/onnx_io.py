@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, set_external_data, uses_external_data
@@ -200,3 +201,18 @@ def graph_session(path: Path, graph: bytes) -> ort.InferenceSession:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+def proto_of(model: ir.Model, near: Path) -> onnx.ModelProto:
+    """`model` (the exporter's IR, whose folded constants are copies of the weights beside PyTorch's) as a proto.
+    A large one is written to a temporary file beside `near` tensor by tensor (onnx_ir streams them), its IR
+    tensors dropped, and read back: one copy of the weights held at any time besides PyTorch's, instead of the
+    IR's and the proto's together. Small models are serialized in memory, as always. The IR model is consumed."""
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if size <= external_threshold():
+        return ir.serde.serialize_model(model)
+    with staging_dir(near) as tmp:
+        ir.save(model, tmp / "traced.onnx", external_data="traced.onnx.data")
+        for value in model.graph.initializers.values():
+            value.const_value = None  # the IR's copies freed before the proto's are read
+        return onnx.load(str(tmp / "traced.onnx"))
