@@ -274,12 +274,17 @@ def exported_version(name: str, version: int, source: Path, stamp: tuple[tuple[s
     entry = load_exported(name, source, settings, stop)
     if isinstance(entry, str):
         return entry
+    start = time.perf_counter()
+    log.info("%s: checking and warming up its export (PyTorch serves meanwhile)", name)
     try:
         validate(entry, source.name)
-        warm_up(entry, settings)
+        checked = time.perf_counter()
+        calls = warm_up(entry, settings)
     except Exception as exc:  # the export made it through its validation, but not the server's own checks
         entry.backend.close()
         return f"its export does not serve: {_one_line(exc)}"
+    log.info("%s: its export is checked in %.1f s and warmed up with %d calls in %.1f s", name, checked - start, calls,
+             time.perf_counter() - checked)
     entry.version, entry.source, entry.fingerprint = version, source, stamp
     return entry
 
