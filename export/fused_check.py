@@ -5,17 +5,17 @@ Both are what users get (the library where it builds, the bodies elsewhere), so 
 measures, because only one of them is independent of the model's precision:
 
 - each fused node against its own function body on the *same* inputs (those the node saw in the bodies' run),
-  held to float32 rounding (`NODE_ATOL`, `NODE_RTOL`) at every precision: this is the kernels' check;
+  held to float32 rounding (`NODE_ATOL`, `NODE_RTOL`, elementwise) at every precision: this is the kernels' check;
 - the model's outputs with the library against without it, held to the variant's own limit. In float32 that is
   float32 rounding too (`FUSED_ATOL`); in an fp16 graph a 1e-7 difference in a node's float32 output can flip
   the rounding of the fp16 layers after it, a whole fp16 step (4.9e-4 near 1) that then propagates, so there
   the outputs are held to the fp16 variant's limit against PyTorch. Whether any flip happens is chance: on
   one CPU path and one set of inputs the outputs can come out bit-identical, on another a step apart.
 
-The outputs' limit is per unit of the outputs' own size (`output_scale`): rounding differences grow with the
-values they round, and a model's logits are as large as its weights make them (~10 for a fairseq LM, where an
-AVX2 kernel's correct outputs differed by 1.34e-5 from the bodies' while every node agreed to 1.9e-6). Below
-magnitude 1 the limit stays the variant's, so small outputs are held as tightly as before.
+The outputs' limit is export.limits' rule, tol x max(1, max|output|) (`output_scale`), as every comparison of the
+validation: rounding differences grow with the values they round, and a model's logits are as large as its
+weights make them (~10 for a fairseq LM, where an AVX2 kernel's correct outputs differed by 1.34e-5 from the
+bodies' while every node agreed to 1.9e-6). Below magnitude 1 the limit stays the variant's tol.
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from export import limits
+from export.limits import FUSED_FP32_TOL, NODE_ATOL, NODE_RTOL
 from export.onnx_io import graph_session, initializer_arrays, load_graph
 from plugins import ort_ops
 
-FUSED_ATOL = 1e-5  # fp32 model outputs, fused kernels vs the inlined bodies: float32 rounding only
-NODE_ATOL, NODE_RTOL = 1e-5, 1e-6  # one node on identical inputs (relative part: sigma's values grow with x^2)
+FUSED_ATOL = FUSED_FP32_TOL  # fp32 model outputs, fused kernels vs the inlined bodies: float32 rounding only
 _INLINE_LIMIT = 1 << 30  # larger models are written to a temporary file: a protobuf stops at 2 GiB
 
 
 def output_scale(references: Iterable[np.ndarray]) -> float:
-    """max(1, max |reference|) over all the arrays: the outputs' limit is `atol * output_scale(references)`, where
-    `atol` is the limit for values of magnitude up to 1 (NaN is not a size: the validation counts NaNs)."""
-    scale = 1.0
-    for ref in references:
-        scale = max(scale, float(np.nan_to_num(np.abs(ref), nan=0.0).max(initial=0.0)))
-    return scale
+    """max(1, max |reference|) over all the arrays: export.limits.scale, the outputs' limit is `atol` times it."""
+    return limits.scale(references)
 
 
 def discontinuous_ops(proto: onnx.ModelProto) -> list[str]:
@@ -152,8 +149,8 @@ def compare_fused(
     """The library against the function bodies: each fused node on identical inputs (always enforced), and the
     model's outputs over every feed (`failures` if their max abs difference > atol).
 
-    `atol`: the outputs' limit at magnitude 1, the variant's (FUSED_ATOL for fp32, the logits' limit for fp16),
-    times `output_scale` of the function bodies' outputs (reported as "limit" and "output_scale");
+    `atol`: the outputs' tol (export.limits: FUSED_ATOL for fp32, the logits' tol for fp16), times `output_scale`
+    of the function bodies' outputs (reported as "limit" and "output_scale");
     None: reported, not enforced (int8 graphs: a float32 rounding difference in front of a dynamic quantization
     can move a value by a whole quantization step, 2.2e-3 on the digits model). `loose_atol` (the logits' limit
     against PyTorch) replaces `atol` for models with discontinuous ops (`discontinuous_ops`), listed under
@@ -189,11 +186,9 @@ def compare_fused(
             scale = max(scale, output_scale(got[: len(names)]))
             runs.append(constants | feed | dict(zip(probes, got[len(names) :], strict=True)))
     per_node = _node_differences(proto, nodes, runs)
-    limit = None if atol is None else atol * scale
-    failures = [] if limit is None or worst <= limit else [
-        f"fused ops: model outputs max abs diff {worst:.3g} > {limit:.3g} ({atol:g} x max(1, max|output| "
-        f"{scale:.3g})) vs function bodies"
-    ]  # fmt: skip
+    judged = limits.judged(worst, atol, scale)
+    limit = judged["limit"]
+    failures = [line + " vs function bodies" for line in limits.failure("fused ops", "model outputs", judged)]
     if not per_node["passed"]:
         failures.append(
             f"fused ops: {per_node['worst']} max abs diff {per_node['max_abs']:.3g} > {NODE_ATOL} + {NODE_RTOL}*|x| "
@@ -213,8 +208,8 @@ def fused_summary(report: dict[str, Any]) -> str:
     if report["atol"] is None:
         limit = "(reported, not enforced)"
     else:
-        rule = (f"limit {report['limit']:.2e} = {report['atol']:g} x max(1, max|output|)" if "limit" in report
-                else f"limit {report['atol']:g}")  # a report written before the limit scaled
+        rule = (f"limit {report['limit']:.2e} = {report['atol']:g} x scale {report['output_scale']:.3g}"
+                if "limit" in report else f"limit {report['atol']:g}")  # a report written before the limit scaled
         cut = report.get("discontinuous_ops")
         limit = f"({rule}, the logits' one: {', '.join(cut)} cut rows)" if cut else f"({rule})"
     nodes = report.get("nodes")

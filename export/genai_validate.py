@@ -2,7 +2,8 @@
 
 1. Decoder calls in onnxruntime with shared cache buffers (longer than the context, filled with noise past
    the cached tokens): logits and the written cache against PyTorch, the rest of the buffer untouched; both
-   optimisation levels with the fused ops, then the fused ops against the function bodies.
+   optimisation levels with the fused ops, then the fused ops against the function bodies; each held to
+   export.limits' rule (tol x max(1, max|reference|) per kind: logits, the written cache).
 2. onnxruntime-genai loads the folder as written and generates greedily (up to `tokens` new tokens, ending at
    the folder's end-of-sequence ids as onnxruntime-genai does): the tokens must equal models.generate's; then
    again from a copy without the library (the function bodies). fp16 / int4: the deltas and the greedy
@@ -27,9 +28,10 @@ from export.fused_check import compare_fused, cpu_session
 from export.genai_folder import CONFIG_FILE, LIBRARY_FILE, MODEL_FILE
 from export.genai_graph import cache_dtype
 from export.hf_tokenizer import FAIRSEQ_WORDS
+from export.limits import Measure
 from export.precision import Precision
 from export.progress import Phases
-from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats, fused_atol
+from export.validate import LEVELS, TOLERANCES, Tolerance, _failures, _stats
 from models.attention_hook import AttentionLayer
 from models.generate import generate
 from models.onnx_contract import text_feeds, text_io_names
@@ -76,7 +78,7 @@ def _case(model: TextModel, spec: TextSpec, rng: np.random.Generator, past_len: 
     return feed, refs, total
 
 
-def _decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer], path: Path, samples: int,
+def decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer], path: Path, samples: int,
                    tolerance: Tolerance, phases: Phases, rng: np.random.Generator,
                    precision: Precision) -> tuple[dict[str, Any], list[str]]:
     # GroupQueryAttention takes no left padding, nor several new tokens on a cache at batch > 1: such calls only
@@ -97,17 +99,18 @@ def _decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer
     for level_name, level in LEVELS.items():
         with phases.phase(f"onnxruntime {level_name}", total=samples, unit="case") as bar:
             session = cpu_session(path, level)
-            diffs, rels, kv, nans, agree, rows, untouched = [], [], [], 0, 0, 0, True
+            diffs, rels, nans, agree, rows, untouched = [], [], 0, 0, 0, True
+            logits, presents = Measure(), Measure()
             for feed, refs, total in cases:
                 outs = session.run(names, feed)
                 if level_name == "ORT_ENABLE_ALL" and len(fused_outputs) < 8:
                     fused_outputs.append(outs)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)
-                diff = np.abs(outs[0] - refs[0])
+                diff = logits.add(outs[0], refs[0])
                 diffs.append(diff.ravel())
                 rels.append((diff / np.maximum(np.abs(refs[0]), 1e-6)).ravel())
                 for out, ref, past in zip(outs[1:], refs[1:], (feed[n] for n in past_names), strict=True):
-                    kv.append(np.abs(out[:, :, :total].astype(np.float32) - ref).ravel())
+                    presents.add(out[:, :, :total].astype(np.float32), ref)
                     # MultiMaxAttention keeps the buffer after the total length (GroupQueryAttention need not)
                     untouched &= not padding or bool(np.array_equal(out[:, :, total:], past[:, :, total:]))
                 agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
@@ -115,15 +118,16 @@ def _decoder_calls(model: TextModel, spec: TextSpec, layers: list[AttentionLayer
                 bar.update()
         del session  # one session's copy of the weights at a time (a large model's memory)
         report[level_name] = _stats(diffs, rels) | {
-            "present_max_abs": float(np.concatenate(kv).max()), "next_token_agreement": agree / rows,
+            "present_max_abs": presents.max_abs, "next_token_agreement": agree / rows,
             "nan_count": nans, **({"buffer_tail_untouched": untouched} if padding else {}),
+            "limits": {"logits": logits.report(tolerance.tol), "present": presents.report(tolerance.tol)},
         }
         failures += _failures(level_name, report[level_name], tolerance, "next_token_agreement")
         if not untouched:
             failures.append(f"{level_name}: the cache buffer changed after the total length")
     with phases.phase("fused ops vs function bodies"):
         feeds = [feed for feed, _, _ in cases[:8]]
-        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, tolerance.fused_tol, tolerance.tol)
     return report, failures + report["fused_ops"]["failures"]
 
 
@@ -275,7 +279,7 @@ def validate_genai_folder(model: TextModel, folder: Path, samples: int = 100, to
     spec = spec or describe_text_model(model)
     layers = layers if layers is not None else model.attention_layers()
     rng = np.random.default_rng(seed)
-    report, failures = _decoder_calls(model, spec, layers, folder / MODEL_FILE, samples, tolerance, phases, rng,
+    report, failures = decoder_calls(model, spec, layers, folder / MODEL_FILE, samples, tolerance, phases, rng,
                                       precision)
     report["genai"], bad = _genai(model, spec, folder, tokens, phases, tolerance.greedy_exact)
     failures += bad

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.fused_check import fused_summary
+from export.limits import describe
 from export.progress import Phases
 from export.tasks import ExportTask, export_task
 
@@ -31,6 +32,7 @@ def _graph_line(report: dict) -> str:
 
 
 FUSED_SKIPPED = "fused ops library unavailable"
+LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC")
 
 
 def skipped_checks(report: dict) -> list[dict[str, str]]:
@@ -69,12 +71,13 @@ def verdict(report: dict, task: ExportTask | None = None) -> str:
         return "not validated (--no-validate): graph checked only"
     skipped = report.get("skipped", [])
     tol = v["tolerance"]
-    if tol["logits_atol"] is None and tol["top1_min"] is None:
+    if tol["tol"] is None and tol["top1_min"] is None:
         key = (task or export_task(report["arch"])).agreement_key
-        worst = min(v[level][key] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
-        worst_diff = max(v[level]["max_abs"] for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"))
-        return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, "
-                f"max|diff| {worst_diff:.2g} (no NaN: checked)" + (f"; {_skips(skipped)}" if skipped else ""))
+        worst = min(v[level][key] for level in LEVELS)
+        logits = max((v[level]["limits"]["logits"] for level in LEVELS), key=lambda e: e["max_abs"])
+        return (f"{report['precision']}: deltas reported, not enforced: top-1 {worst:.0%}, max|diff| "
+                f"{logits['max_abs']:.2g} = {logits['relative']:.2g} x scale {logits['scale']:.3g} (no NaN: checked)"
+                + (f"; {_skips(skipped)}" if skipped else ""))
     return f"passed ({_skips(skipped)})" if skipped else "passed"
 
 
@@ -90,18 +93,18 @@ def summary(report: dict, report_path: Path, phases: Phases, task: ExportTask | 
     v = report.get("validation")
     if v:
         top1 = task.agreement_key
-        for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC"):
+        for level in LEVELS:
             s = v[level]
-            kv = f"  present {s['present_max_abs']:.2e}" if "present_max_abs" in s else ""
+            present = s["limits"].get("present")
+            kv = f"  present {describe(present)}" if present else ""
             lines.append(
-                f"  {level:<17} max|diff| {s['max_abs']:.2e}  mean {s['mean_abs']:.2e}  p99 {s['p99_abs']:.2e}{kv}  "
-                f"top-1 agreement {s[top1]:.0%}  NaN {s['nan_count']}"
+                f"  {level:<17} max|diff| {describe(s['limits']['logits'])}  mean {s['mean_abs']:.2e}  "
+                f"p99 {s['p99_abs']:.2e}{kv}  top-1 agreement {s[top1]:.0%}  NaN {s['nan_count']}"
             )
         probs = v["ORT_ENABLE_ALL"].get("probabilities")
         if probs:  # a sparse output function: the distribution the server returns, compared too
-            limit = f"limit {probs['limit']:g}" if probs["limit"] is not None else "reported, not enforced"
             lines.append(
-                f"  {probs['function']} probabilities: max|diff| {probs['max_abs']:.2e} ({limit}), "
+                f"  {probs['function']} probabilities: max|diff| {describe(probs)}, "
                 f"same support in {probs['support_agreement']:.0%} of rows"
             )
         if "greedy" in v:
@@ -125,8 +128,8 @@ def summary(report: dict, report_path: Path, phases: Phases, task: ExportTask | 
 
 def limits(tolerance: dict, task: ExportTask) -> str:
     parts = []
-    if tolerance["logits_atol"] is not None:
-        parts.append(f"max|diff| <= {tolerance['logits_atol']:g}")
+    if tolerance["tol"] is not None:  # export.limits' rule, per compared kind (logits, present)
+        parts.append(f"max|diff| <= {tolerance['tol']:g} x max(1, max|reference|)")
     if tolerance["top1_min"] is not None:
         parts.append(f"top-1 >= {tolerance['top1_min']:.0%}")
     if tolerance["greedy_exact"] and task.greedy_checked:

@@ -12,7 +12,9 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.fused_check import FUSED_ATOL, compare_fused, cpu_session
+from export import limits
+from export.fused_check import compare_fused, cpu_session
+from export.limits import FUSED_FP32_TOL, TOLS, Measure
 from export.onnx_io import check_model_file, load_graph
 from export.progress import Phases
 from models import onnx_contract as contract
@@ -24,33 +26,33 @@ from models.registry import TextModel
 from models.spec import TextSpec, VisionSpec
 from plugins.onnx_functions import attribute_problems
 
-LOGITS_ATOL = 1e-4
 # a graph's (inputs, outputs) name -> dims -> what differs from its task's contract
 GraphProblems = Callable[[dict[str, list], dict[str, list]], list[str]]
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """What a variant must meet against the fp32 PyTorch model; None: reported, not enforced."""
+    """What a variant must meet against the fp32 PyTorch model. The limits are export.limits' rule: `tol` x
+    max(1, max|reference|) of each compared kind (logits, presents; the sparse probabilities take the logits'
+    limit); None: reported, not enforced."""
 
-    logits_atol: float | None
+    tol: float | None
     top1_min: float | None
     greedy_exact: bool
-    # the model outputs with the fused ops vs the function bodies (fused_check), for outputs of magnitude up to 1:
-    # enforced as fused_atol * max(1, max|output|) (export.fused_check.output_scale)
-    fused_atol: float | None = None
+    # the model's outputs with the fused ops vs the function bodies (export.fused_check), the same rule
+    fused_tol: float | None = None
 
 
-# fp16: the issue's limits. int8: dynamic quantization changes logits by design; its accuracy change is
-# measured on real data (docs/BENCHMARKS.md), random inputs only report the deltas.
+# int8: dynamic quantization changes logits by design; its accuracy change is measured on real data
+# (docs/BENCHMARKS.md), random inputs only report the deltas (with their scale). int4 likewise.
 TOLERANCES = {
-    "fp32": Tolerance(LOGITS_ATOL, 1.0, True, FUSED_ATOL),
+    "fp32": Tolerance(TOLS["fp32"], 1.0, True, FUSED_FP32_TOL),
     # fp16: a float32 rounding difference in a fused node flips fp16 roundings after it (one step is 4.9e-4
-    # near 1), so the outputs with and without the library are held to the variant's own limit; each fused
+    # near 1), so the outputs with and without the library are held to the variant's own tol; each fused
     # node is still held to float32 rounding on its own inputs (export.fused_check).
-    "fp16": Tolerance(2e-2, 0.99, False, 2e-2),
-    "int8": Tolerance(None, None, False),
-    "int4": Tolerance(None, None, False),  # 4-bit weights: deltas and greedy agreement reported, not enforced
+    "fp16": Tolerance(TOLS["fp16"], 0.99, False, TOLS["fp16"]),
+    "int8": Tolerance(TOLS["int8"], None, False),
+    "int4": Tolerance(TOLS["int4"], None, False),  # 4-bit weights: deltas and greedy agreement reported, not enforced
 }
 LEVELS = {"ORT_ENABLE_ALL": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
           "ORT_ENABLE_BASIC": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
@@ -159,27 +161,27 @@ def validate_vision(
             session = cpu_session(path, level)
             diffs, rels, agree, nans = [], [], 0, 0
             pairs: list[tuple[np.ndarray, np.ndarray]] = []
+            logits = Measure()
             for feed, ref in zip(feeds, refs, strict=True):
                 out = session.run([VISION_OUTPUT], feed)[0]
                 pairs.append((out, ref))
                 if name == FUSED_LEVEL and len(fused_outputs) < len(fused_feeds):
                     fused_outputs.append([out])
                 nans += int(np.isnan(out).sum())
-                diff = np.abs(out - ref)
+                diff = logits.add(out, ref)
                 diffs.append(diff.ravel())
                 rels.append((diff / np.maximum(np.abs(ref), 1e-6)).ravel())
                 agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
                 bar.update(len(ref))
-        report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans}
+        report[name] = _stats(diffs, rels) | {"top1_agreement": agree / samples, "nan_count": nans,
+                                              "limits": {"logits": logits.report(tolerance.tol)}}
         failures += _failures(name, report[name], tolerance)
         if spec.reweighting.output_distribution:
             report[name]["probabilities"], bad = probability_stats(spec.reweighting.output_distribution, pairs,
-                                                                   tolerance, name)
+                                                                   tolerance, name, logits.scale)
             failures += bad
     with phases.phase("fused ops vs function bodies"):
-        report["fused_ops"] = compare_fused(
-            path, fused_feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol
-        )
+        report["fused_ops"] = compare_fused(path, fused_feeds, fused_outputs, tolerance.fused_tol, tolerance.tol)
     failures += report["fused_ops"]["failures"]
     report["failures"] = failures
     report["passed"] = not failures
@@ -187,13 +189,16 @@ def validate_vision(
 
 
 def probability_stats(
-    output_function: str, pairs: list[tuple[np.ndarray, np.ndarray]], tolerance: Tolerance, level: str
+    output_function: str, pairs: list[tuple[np.ndarray, np.ndarray]], tolerance: Tolerance, level: str,
+    logits_scale: float,
 ) -> tuple[dict[str, Any], list[str]]:
     """The served distribution (models.output_function) of onnxruntime's logits against PyTorch's: the largest
     probability difference and the share of rows whose support (the entries above 0) is the same.
 
-    Enforced for the continuous functions (SparseMax, EntMax-1.5: within the logits' limit); Ev-SoftMax's cut at
-    the row mean can drop a class whose logit sits at the mean in one runtime, so it is reported only."""
+    Enforced for the continuous functions (SparseMax, EntMax-1.5) at the logits' limit (`tolerance.tol` x
+    `logits_scale`): a projection onto the simplex carries the logits' error over, it does not scale it by the
+    probabilities' size. Ev-SoftMax's cut at the row mean can drop a class whose logit sits at the mean in one
+    runtime, so it is reported only."""
     diff, same, rows = 0.0, 0, 0
     for out, ref in pairs:
         p = output_probabilities(output_function, torch.from_numpy(out).double().reshape(-1, out.shape[-1]))
@@ -201,27 +206,15 @@ def probability_stats(
         diff = max(diff, float((p - q).abs().max()))
         same += int(((p > 0) == (q > 0)).all(-1).sum())
         rows += p.shape[0]
-    stats = {"function": output_function, "max_abs": diff, "support_agreement": same / max(rows, 1)}
-    enforced = output_function in ("sparsemax", "entmax15") and tolerance.logits_atol is not None
-    stats["limit"] = tolerance.logits_atol if enforced else None
-    failures = []
-    if enforced and not diff <= float(tolerance.logits_atol or 0):
-        failures.append(f"{level}: {output_function} probabilities max abs diff {diff:.3g} > {tolerance.logits_atol}")
-    return stats, failures
-
-
-def fused_atol(tolerance: Tolerance) -> float | None:
-    """The fused-ops check's limit on the model's outputs at magnitude 1, the variant's (int8's deltas are reported
-    only); the check multiplies it by the outputs' size, max(1, max|output|) (export.fused_check.output_scale)."""
-    return tolerance.fused_atol
+    enforced = output_function in ("sparsemax", "entmax15")
+    stats = {"function": output_function, "support_agreement": same / max(rows, 1),
+             **limits.judged(diff, tolerance.tol if enforced else None, logits_scale)}
+    return stats, limits.failure(level, f"{output_function} probabilities", stats)
 
 
 def _failures(level: str, stats: dict[str, Any], tolerance: Tolerance, top1_key: str = "top1_agreement") -> list[str]:
-    out = []
-    if tolerance.logits_atol is not None and not stats["max_abs"] <= tolerance.logits_atol:
-        out.append(f"{level}: logits max abs diff {stats['max_abs']:.3g} > {tolerance.logits_atol}")
-    if tolerance.logits_atol is not None and not stats.get("present_max_abs", 0.0) <= tolerance.logits_atol:
-        out.append(f"{level}: present max abs diff {stats['present_max_abs']:.3g} > {tolerance.logits_atol}")
+    """The level's misses: each compared kind beyond its limit (export.limits), top-1 agreement, NaN."""
+    out = [line for kind, entry in stats["limits"].items() for line in limits.failure(level, kind, entry)]
     if tolerance.top1_min is not None and stats[top1_key] < tolerance.top1_min:
         out.append(f"{level}: top-1 agreement {stats[top1_key]:.2%} < {tolerance.top1_min:.0%}")
     if stats["nan_count"]:
@@ -312,7 +305,7 @@ def validate_text(
             session = cpu_session(path, level)
             logit_diffs: list[np.ndarray] = []
             logit_rels: list[np.ndarray] = []
-            kv_diffs: list[np.ndarray] = []
+            logits, presents = Measure(), Measure()
             nans, agree, rows = 0, 0, 0
             pairs = []
             for feed, refs in cases:
@@ -321,21 +314,23 @@ def validate_text(
                 if name == FUSED_LEVEL and len(fused_outputs) < FUSED_CHECK_TEXT_FEEDS:
                     fused_outputs.append(outs)
                 nans += sum(int(np.isnan(o).sum()) for o in outs)
-                diff = np.abs(outs[0] - refs[0])
+                diff = logits.add(outs[0], refs[0])
                 logit_diffs.append(diff.ravel())
                 logit_rels.append((diff / np.maximum(np.abs(refs[0]), 1e-6)).ravel())
-                kv_diffs.extend(np.abs(o - r).ravel() for o, r in zip(outs[1:], refs[1:], strict=True))
+                for o, r in zip(outs[1:], refs[1:], strict=True):
+                    presents.add(o, r)
                 agree += int((outs[0][:, -1].argmax(-1) == refs[0][:, -1].argmax(-1)).sum())
                 rows += refs[0].shape[0]
                 bar.update()
         del session  # one session's copy of the weights at a time (a large model's memory)
-        present_max = float(np.concatenate(kv_diffs).max())
         report[name] = _stats(logit_diffs, logit_rels) | {
-            "present_max_abs": present_max, "next_token_agreement": agree / rows, "nan_count": nans,
+            "present_max_abs": presents.max_abs, "next_token_agreement": agree / rows, "nan_count": nans,
+            "limits": {"logits": logits.report(tolerance.tol), "present": presents.report(tolerance.tol)},
         }
         failures += _failures(name, report[name], tolerance, "next_token_agreement")
         if output_function:
-            report[name]["probabilities"], bad = probability_stats(output_function, pairs, tolerance, name)
+            report[name]["probabilities"], bad = probability_stats(output_function, pairs, tolerance, name,
+                                                                   logits.scale)
             failures += bad
     identical = 0
     vocab = spec.vocab_size
@@ -353,7 +348,7 @@ def validate_text(
     report["greedy"] = {"prompts": prompts, "tokens": gen_tokens, "identical": identical}
     with phases.phase("fused ops vs function bodies"):
         feeds = [feed for feed, _ in cases[:FUSED_CHECK_TEXT_FEEDS]]
-        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, fused_atol(tolerance), tolerance.logits_atol)
+        report["fused_ops"] = compare_fused(path, feeds, fused_outputs, tolerance.fused_tol, tolerance.tol)
     failures += report["fused_ops"]["failures"]
     if tolerance.greedy_exact and identical < prompts:
         failures.append(f"greedy generation: {prompts - identical} of {prompts} prompts differ from PyTorch")

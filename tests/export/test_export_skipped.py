@@ -66,7 +66,7 @@ def _report(validation: dict, problems: list[str] | None = None, precision: str 
 
 
 def test_the_verdict_counts_and_names_every_skipped_check() -> None:
-    enforced = {"logits_atol": 1e-4, "top1_min": 1.0}
+    enforced = {"tol": 1e-4, "top1_min": 1.0}
     genai = {"checked": False, "reason": "onnxruntime-genai is not installed (x)",
              "skipped": "onnxruntime-genai not installed"}
     fused = {"in_use": False, "reason": "cannot build it: no compiler", "failures": []}
@@ -83,8 +83,10 @@ def test_the_verdict_counts_and_names_every_skipped_check() -> None:
     assert verdict(_report({"tolerance": enforced, "genai": tokenizer})) == (
         "passed (1 check skipped: onnxruntime-genai's tokenizer cannot read a WordLevel tokenizer.json)")
     # reported-only variants keep their line and add the skips; a failure stays a failure
-    stats = {"next_token_agreement": 0.9, "max_abs": 0.5}
-    reported = _report({"tolerance": {"logits_atol": None, "top1_min": None}, "genai": genai,
+    logits = {"max_abs": 0.5, "tol": None, "scale": 20.0, "limit": None, "relative": 0.025}
+    stats = {"next_token_agreement": 0.9, "max_abs": 0.5, "limits": {"logits": logits}}
+    reported = _report({"tolerance": {"tol": None, "top1_min": None}, "genai": genai,
                         "ORT_ENABLE_ALL": stats, "ORT_ENABLE_BASIC": stats}, precision="int4")
-    assert verdict(reported).endswith("(no NaN: checked); 1 check skipped: onnxruntime-genai not installed")
+    assert verdict(reported) == ("int4: deltas reported, not enforced: top-1 90%, max|diff| 0.5 = 0.025 x scale 20 "
+                                 "(no NaN: checked); 1 check skipped: onnxruntime-genai not installed")
     assert verdict(_report({"tolerance": enforced, "genai": genai}, ["x: too far"])) == "FAILED: x: too far"
