@@ -191,7 +191,9 @@ def test_fp16_folder_reports_deltas(name: str, cache: int, hf_folders: dict[str,
     report = json.loads((folder / REPORT_FILE).read_text())
     assert report["precision"] == "fp16" and report["passed"], report["problems"]
     stats = report["validation"]["ORT_ENABLE_ALL"]
-    assert 0 < stats["max_abs"] <= 2e-2 and stats["next_token_agreement"] >= 0.99
+    logits = stats["limits"]["logits"]  # export.limits: 2e-2 x max(1, max|logits|)
+    assert 0 < stats["max_abs"] <= logits["limit"] == pytest.approx(2e-2 * logits["scale"])
+    assert stats["next_token_agreement"] >= 0.99
     assert 0 <= report["validation"]["genai"]["function_bodies"]["token_agreement"] <= 1
     inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(folder / MODEL_FILE)).graph.input}
     assert inputs["past_key_values.0.key"] == inputs["past_key_values.1.key"] == cache
