@@ -12,7 +12,7 @@ children's (`resource.getrusage`, ru_maxrss); the figure is set against the weig
     --shape tiny   the same code on a few-MB model (the tests')
 
     python -m benchmarks.export_size --shape 0.5b --precision fp32,int4
-    python -m benchmarks.export_size --shape 1.5b --precision int4 --serve
+    python -m benchmarks.export_size --shape 1.5b --precision int4 --serve [--no-validate]
 
 `--precision fp32` is the single .onnx (`python -m export DIR -o OUT/model.onnx`), `int4` the onnxruntime-genai
 folder (`-o OUT --int4`); `--serve` starts `python -m service` on each int4 folder and sends one chat request.
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="fp32,int4", help="comma-separated: fp32 (single .onnx), int4 (folder)")
     ap.add_argument("--serve", action="store_true", help="serve each int4 folder and send one chat request")
     ap.add_argument("--samples", type=int, help="validation cases (python -m export --samples; default its 100)")
+    ap.add_argument("--no-validate", action="store_true", help="export only (python -m export --no-validate)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="where the Hugging Face folders are made once")
     ap.add_argument("--work", type=Path, default=WORK, help="where the exports are written")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{folder}: {gb(weight_bytes(folder))} of weights (made or found in {time.perf_counter() - start:.0f} s)",
           flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    extra = ["--samples", str(args.samples)] if args.samples else []
+    extra = (["--samples", str(args.samples)] if args.samples else []) + (["--no-validate"] if args.no_validate else [])
     rows = []
     for precision in precisions:
         row = export_run(folder, precision, args.work, extra)

@@ -158,13 +158,11 @@ def export_genai_text(model: TextModel, ckpt: Checkpoint, out: Path, opset: int 
         program.model.functions[fn.identifier()] = fn
     context = spec.context_length
 
-    def rewrite(proto: onnx.ModelProto) -> dict[str, str]:
-        extra = fusion_metadata(fuse_decoder(proto, context)) if fuse else {}
-        if int4:
-            from export.genai_quantize import quantize_int4_proto
+    def quantize(proto: onnx.ModelProto) -> int:
+        from export.genai_quantize import quantize_int4_proto
 
-            quantize_int4_proto(proto)
-        return extra
+        return quantize_int4_proto(proto)
 
     return _finish(program, ckpt, out, opset, inline=False, precision=precision, spec=spec,
-                   rewrite=rewrite if fuse or int4 else None)
+                   rewrite=(lambda proto: fusion_metadata(fuse_decoder(proto, context))) if fuse else None,
+                   quantize=quantize if int4 else None)

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from export.fast_rewrites import op_type_filtered_rewrites
-from export.onnx_io import DEFAULT_THRESHOLD, external_threshold, proto_of, save_model
+from export.onnx_io import DEFAULT_THRESHOLD, external_threshold, proto_of, save_model, tensor_bytes
 from export.precision import DTYPES, Precision, quantize_int8
 from models import onnx_contract as contract
+from models.atomic import staging_dir
 from models.checkpoint import Checkpoint
 from models.multimax import onnx_export_params
 from models.onnx_contract import (
@@ -207,9 +208,11 @@ def _trace(
 def _finish(
     program: torch.onnx.ONNXProgram, ckpt: Checkpoint, out: Path, opset: int, inline: bool, precision: Precision,
     spec: ModelSpec, rewrite: Callable[[onnx.ModelProto], dict[str, str]] | None = None,
+    quantize: Callable[[onnx.ModelProto], object] | None = None,
 ) -> Path:
     """Attach the MultiMax function bodies (or inline them), rewrite (a pass that returns metadata entries),
-    quantize if asked, add the metadata, write atomically."""
+    quantize if asked (int8 here; `quantize`: a pass that quantizes the proto in place, the folder's int4), add the
+    metadata, write atomically."""
     # the other reweighting functions' bodies only where the graph uses them (MultiMax files stay as they were)
     used = {n.op_type for n in program.model.graph.all_nodes() if n.domain == ONNX_DOMAIN}
     for proto in function_protos(opset, used | set(multimax_op_types())):
@@ -224,6 +227,15 @@ def _finish(
         del proto.opset_import[:]
         proto.opset_import.extend(kept)
     extra = rewrite(proto) if rewrite is not None else {}
+    if quantize is not None:
+        if rewrite is not None and tensor_bytes(proto) > external_threshold():
+            # protobuf keeps the bytes of every tensor the rewrite replaced (packed projections) until the message
+            # is freed: a large one is written out and read back first, so the quantizer starts from one copy
+            with staging_dir(out) as tmp:
+                save_model(proto, tmp / "rewritten.onnx", threshold=0)
+                del proto
+                proto = onnx.load(str(tmp / "rewritten.onnx"))
+        quantize(proto)
     if precision == "int8":
         proto = quantize_int8(proto)
     for key, value in (metadata(ckpt, opset, inline, precision, spec) | extra).items():
