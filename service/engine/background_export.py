@@ -81,31 +81,30 @@ class BackgroundExports:
     async def _switch(self, job: _Job, made: ModelEntry) -> None:
         runtimes, old = self.runtimes, job.rt
         name, version = old.name, old.version
-        switched, entry = False, made
-        entry_left: ModelEntry | None = made  # closed at the end unless a runtime took it
+        left: ModelEntry | None = made  # closed at the end unless a runtime took it
         try:
             async with runtimes.locks.setdefault(name, asyncio.Lock()):  # after a repository load or unload of it
                 if self.jobs.get(old) is not job or runtimes.versions.get(name, {}).get(version) is not old:
                     log.info("%s: its export is not switched in: the version was replaced or unloaded meanwhile",
                              name)
                     return
-                new = runtimes.runtime_of(entry)
+                new = runtimes.runtime_of(made)
                 try:
                     runtimes.start_runtime(new)
                 except ShuttingDown:  # the server began stopping meanwhile: nothing switched
+                    left = None  # the runtime's release closes it
                     await runtimes.release(new, wait=False)
-                    entry_left = None
                     return
                 runtimes.versions[name][version] = new
                 job.status.switched()
                 runtimes.publish(name)
-                switched = True
+                left = None
                 runtimes.release_later(old)  # after the requests that hold it, streams included
         finally:
             if self.jobs.get(old) is job:
                 del self.jobs[old]
-            if not switched and entry_left is not None:
-                entry_left.backend.close()
+            if left is not None:
+                left.backend.close()
         metrics = runtimes.metrics
         metrics.folder_exports.labels(name, PASSED).inc()
         metrics.folder_export_switch.labels(name).set(job.status.switched_after_s or 0.0)
