@@ -414,8 +414,9 @@ def _without_dead(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.N
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Removed in place, by index: re-extending the field with the kept ones would copy every kept weight (a
+    message's `extend` copies), a whole second copy of a large model's weights."""
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-    kept = [t for t in graph.initializer if t.name in used]
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+    for i in reversed(range(len(graph.initializer))):
+        if graph.initializer[i].name not in used:
+            del graph.initializer[i]
