@@ -94,9 +94,15 @@ def test_the_fused_check_reuses_the_validation_session(
         made.append(k.get("fused", True))
         return real(*a, **k)
 
+    real_graph = fused_check.graph_session
+    def recording_graph(*a: Any, **k: Any) -> Any:
+        made.append(False)  # the function bodies from a graph whose weights stay in the file (export.onnx_io)
+        return real_graph(*a, **k)
+
     # validate builds the level sessions, fused_check the function-body one: count both
     monkeypatch.setattr(validate, "cpu_session", recording)
     monkeypatch.setattr(fused_check, "cpu_session", recording)
+    monkeypatch.setattr(fused_check, "graph_session", recording_graph)
     report = export_checkpoint(ckpt, ExportOptions(output=tmp_path / "t.onnx", samples=11, progress=False))
     assert report.passed and made == [True, True, False]
     fused = report.data["validation"]["fused_ops"]

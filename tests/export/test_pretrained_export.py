@@ -1,7 +1,9 @@
 """A real pretrained LLM through the user's command: `python -m export FOLDER -o DIR` on SmolLM2-135M-Instruct
 (30 layers, logits up to ~40; tests/pretrained.py), plain and with the SegLU head, passes validation with the
-default samples, and `--int4` reports its deltas beside their scale. Under the old absolute limit (1e-4) the fp32
-folder failed: logits 8.7e-4, presents 7.6e-4 from PyTorch, what 30 float32 layers legitimately differ.
+default samples. Under the old absolute limit (1e-4) the fp32 folder failed: logits 8.7e-4, presents 7.6e-4 from
+PyTorch, what 30 float32 layers legitimately differ. (The real model's `--int4` folder is served in
+tests/service/protocols/test_pretrained_serving.py and int4's reported deltas are tested on small models in
+test_genai_llm_export.py: a third 135M export here would cost CI minutes for no new promise.)
 
 The limits still catch a wrong model here: one output row of one projection x 1.01, or the SegLU's ts x 1.01,
 fails the decoder calls against the (correct) folder. The PyTorch side is the one changed, which is the same
@@ -79,16 +81,6 @@ def test_the_real_model_with_seglu_exports_and_passes(seglu: dict[str, Any]) -> 
     fused = v["fused_ops"]
     assert fused["in_use"] and not fused["failures"] and fused["max_abs_vs_function_bodies"] <= fused["limit"]
     assert v["genai"]["library"]["identical"] == v["genai"]["prompts"]
-
-
-def test_the_real_model_in_int4_reports_its_deltas_beside_their_scale(smollm2_seglu: Path, tmp_path: Path) -> None:
-    run = _export(smollm2_seglu, tmp_path / "int4.genai", "--int4", "--samples", "16")
-    report = run["report"]
-    assert run["code"] == 0 and report["passed"] and report["precision"] == "int4", run["out"]
-    logits = report["validation"]["ORT_ENABLE_ALL"]["limits"]["logits"]
-    assert logits["limit"] is None and logits["scale"] > 10 and logits["max_abs"] > 0
-    assert logits["relative"] == pytest.approx(logits["max_abs"] / logits["scale"])
-    assert report["verdict"].startswith("int4: deltas reported, not enforced") and "x scale" in report["verdict"]
 
 
 def _decoder_calls(model: TextModel, folder: Path, samples: int = 8) -> tuple[dict[str, Any], list[str]]:
