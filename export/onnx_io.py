@@ -15,7 +15,7 @@ file is one clear error (`ExternalDataError`), never onnxruntime's or numpy's ex
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +23,10 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, numpy_helper
-from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, set_external_data, uses_external_data
+from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
 
 from models.atomic import publish, staging_dir
+from models.onnx_weights import all_tensors, check_external_data
 
 THRESHOLD_ENV = "MULTIMAX_EXTERNAL_DATA_THRESHOLD"
 # protobuf refuses messages of 2 GiB; weights move to `<name>.data` a little before that (the graph, names and
@@ -33,10 +34,6 @@ THRESHOLD_ENV = "MULTIMAX_EXTERNAL_DATA_THRESHOLD"
 DEFAULT_THRESHOLD = 2_000_000_000 - 10_000_000
 SMALL_TENSOR = 1024  # tensors below this many bytes (shapes, scalars) stay in the graph, as onnx's own default
 ALIGNMENT = 4096  # each weight starts on a page, so onnxruntime can map the file instead of copying it
-
-
-class ExternalDataError(ValueError):
-    """An exported file whose weights are missing, truncated or outside its folder; one line for the user."""
 
 
 def data_name(path: Path) -> str:
@@ -68,23 +65,14 @@ def _nbytes(tensor: TensorProto) -> int:
 
 def tensor_bytes(proto: onnx.ModelProto) -> int:
     """The bytes of every tensor the model holds in itself (initializers, constants, function bodies)."""
-    return sum(_nbytes(t) for t in _tensors(proto))
-
-
-def _tensors(proto: onnx.ModelProto) -> Iterator[TensorProto]:
-    yield from _get_all_tensors(proto)
-    for fn in proto.functions:  # onnx's walk skips function bodies' Constant nodes
-        for node in fn.node:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
+    return sum(_nbytes(t) for t in all_tensors(proto))
 
 
 def _move_to_file(proto: onnx.ModelProto, data: Path, location: str) -> None:
     """Write each tensor of SMALL_TENSOR bytes or more to `data` and make it name its place there; the proto's
     weights are gone afterwards (it is the caller's to discard). fsync'ed."""
     with open(data, "wb") as fh:
-        for tensor in _tensors(proto):
+        for tensor in all_tensors(proto):
             if _nbytes(tensor) < SMALL_TENSOR or tensor.data_type == TensorProto.STRING:
                 continue
             raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
@@ -134,38 +122,7 @@ def save_model(proto: onnx.ModelProto, out: Path, threshold: int | None = None) 
 
 def external_files(proto: onnx.ModelProto) -> list[str]:
     """The data files the graph's tensors name (relative to its folder), in first-use order."""
-    return list(dict.fromkeys(ExternalDataInfo(t).location for t in _tensors(proto) if uses_external_data(t)))
-
-
-def check_external_data(path: Path, proto: onnx.ModelProto) -> None:
-    """ExternalDataError unless every external tensor of `proto` (read from `path` without its weights) lies inside
-    a data file in `path`'s folder: no absolute or `..` location, the file present, offset + length within it."""
-    folder = path.resolve().parent
-    sizes: dict[str, int] = {}
-    for tensor in _tensors(proto):
-        if not uses_external_data(tensor):
-            continue
-        info = ExternalDataInfo(tensor)
-        where = (folder / info.location).resolve()
-        if Path(info.location).is_absolute() or not where.is_relative_to(folder):
-            raise ExternalDataError(f"{path.name}: tensor {tensor.name!r} names weights outside its folder "
-                                    f"({info.location}); refused")
-        if info.location not in sizes:
-            if not where.is_file():
-                raise ExternalDataError(f"{path.name}: its weights file {info.location} is missing (it must lie "
-                                        f"beside {path.name})")
-            sizes[info.location] = where.stat().st_size
-        length = info.length if info.length is not None else _nbytes_of_dims(tensor)
-        end = (info.offset or 0) + length
-        if end > sizes[info.location]:
-            raise ExternalDataError(f"{path.name}: its weights file {info.location} is truncated "
-                                    f"({sizes[info.location]} bytes, tensor {tensor.name!r} ends at {end}); export "
-                                    "it again")
-
-
-def _nbytes_of_dims(tensor: TensorProto) -> int:
-    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return list(dict.fromkeys(ExternalDataInfo(t).location for t in all_tensors(proto) if uses_external_data(t)))
 
 
 def load_graph(path: Path) -> onnx.ModelProto:

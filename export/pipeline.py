@@ -24,7 +24,6 @@ import torch
 
 from export.genai_folder import MODEL_FILE, REPORT_FILE, check_folder_target, is_folder_output, write_folder
 from export.onnx_export import DEFAULT_OPSET, ExportError
-from export.onnx_io import ExternalDataError
 from export.precision import Precision
 from export.progress import Phases, exporter_stages
 from export.summary import skipped_checks, summary, verdict
@@ -35,6 +34,7 @@ from models.checkpoint import HINT_FLAGS, Checkpoint, load
 from models.hf_folder import folder_checkpoint, is_model_folder, load_folder
 from models.labels import read_labels
 from models.onnx_contract import attention_function
+from models.onnx_weights import ExternalDataError
 from models.registry import TextModel
 from models.spec import ModelSpec, TextSpec, VisionSpec
 from plugins.trt_plugin import tensorrt_unavailable

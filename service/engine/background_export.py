@@ -15,17 +15,29 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from service.base.metrics import Metrics
 from service.engine.engine_errors import ShuttingDown
 from service.engine.entry import ModelEntry, ModelRuntime
 from service.engine.export_status import FAILED, PASSED, PENDING, STATES, ExportStatus
 
-if TYPE_CHECKING:
-    from service.engine.runtime import Runtimes
-
 log = logging.getLogger(__name__)
+
+
+class Runtimes(Protocol):
+    """What a switch uses of the server's runtimes (service.engine.runtime.Runtimes, which holds the exports: named
+    here, not imported, so the two modules import in one direction only)."""
+
+    metrics: Metrics
+    versions: dict[str, dict[int, ModelRuntime]]
+    locks: dict[str, asyncio.Lock]
+
+    def runtime_of(self, entry: ModelEntry) -> ModelRuntime: ...
+    def start_runtime(self, rt: ModelRuntime) -> None: ...
+    async def release(self, rt: ModelRuntime, wait: bool = True) -> None: ...
+    def release_later(self, rt: ModelRuntime) -> None: ...
+    def publish(self, name: str) -> None: ...
 
 JOIN_S = 10.0  # at shutdown: how long to wait for an export's thread (its child process is killed within 0.5 s)
 

@@ -17,8 +17,9 @@ import pytest
 from export import onnx_io
 from export.cli import main
 from export.genai_folder import MODEL_FILE
-from export.onnx_io import THRESHOLD_ENV, ExternalDataError, check_external_data, load_graph, tensor_bytes
+from export.onnx_io import THRESHOLD_ENV, load_graph, tensor_bytes
 from models.onnx_contract import text_feeds
+from models.onnx_weights import ExternalDataError, check_external_data
 from service.engine.backends.base import BackendUnavailable
 from service.engine.backends.onnxruntime import OnnxRuntimeBackend
 from tests.paths import ROOT

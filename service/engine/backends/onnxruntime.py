@@ -10,7 +10,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.onnx_io import ExternalDataError, check_external_data
 from models import registry as architectures
 from models.onnx_contract import (
     LOGITS,
@@ -21,6 +20,7 @@ from models.onnx_contract import (
     read_metadata,
     text_feeds,
 )
+from models.onnx_weights import ExternalDataError, check_external_data
 from models.spec import TextSpec
 from plugins import ort_ops
 from plugins.onnx_functions import attribute_problems
