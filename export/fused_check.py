@@ -7,12 +7,12 @@ measures, because only one of them is independent of the model's precision:
 - each fused node against its own function body on the *same* inputs (those the node saw in the bodies' run),
   held to float32 rounding (`NODE_ATOL`, `NODE_RTOL`, elementwise) at every precision: this is the kernels' check;
 - the model's outputs with the library against without it, held to the variant's own limit. In float32 that is
-  float32 rounding too (`FUSED_ATOL`); in an fp16 graph a 1e-7 difference in a node's float32 output can flip
+  float32 rounding too (`FUSED_FP32_TOL`); in an fp16 graph a 1e-7 difference in a node's float32 output can flip
   the rounding of the fp16 layers after it, a whole fp16 step (4.9e-4 near 1) that then propagates, so there
   the outputs are held to the fp16 variant's limit against PyTorch. Whether any flip happens is chance: on
   one CPU path and one set of inputs the outputs can come out bit-identical, on another a step apart.
 
-The outputs' limit is export.limits' rule, tol x max(1, max|output|) (`output_scale`), as every comparison of the
+The outputs' limit is export.limits' rule, tol x max(1, max|output|) (`limits.scale`), as every comparison of the
 validation: rounding differences grow with the values they round, and a model's logits are as large as its
 weights make them (~10 for a fairseq LM, where an AVX2 kernel's correct outputs differed by 1.34e-5 from the
 bodies' while every node agreed to 1.9e-6). Below magnitude 1 the limit stays the variant's tol.
@@ -21,7 +21,7 @@ bodies' while every node agreed to 1.9e-6). Below magnitude 1 the limit stays th
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,7 @@ from export.limits import FUSED_FP32_TOL, NODE_ATOL, NODE_RTOL
 from export.onnx_io import graph_session, initializer_arrays, load_graph
 from plugins import ort_ops
 
-FUSED_ATOL = FUSED_FP32_TOL  # fp32 model outputs, fused kernels vs the inlined bodies: float32 rounding only
 _INLINE_LIMIT = 1 << 30  # larger models are written to a temporary file: a protobuf stops at 2 GiB
-
-
-def output_scale(references: Iterable[np.ndarray]) -> float:
-    """max(1, max |reference|) over all the arrays: export.limits.scale, the outputs' limit is `atol` times it."""
-    return limits.scale(references)
 
 
 def discontinuous_ops(proto: onnx.ModelProto) -> list[str]:
@@ -143,13 +137,13 @@ def compare_fused(
     path: Path,
     feeds: list[dict[str, np.ndarray]],
     fused_outputs: list[list[np.ndarray]] | None = None,
-    atol: float | None = FUSED_ATOL,
+    atol: float | None = FUSED_FP32_TOL,
     loose_atol: float | None = None,
 ) -> dict[str, Any]:
     """The library against the function bodies: each fused node on identical inputs (always enforced), and the
     model's outputs over every feed (`failures` if their max abs difference > atol).
 
-    `atol`: the outputs' tol (export.limits: FUSED_ATOL for fp32, the logits' tol for fp16), times `output_scale`
+    `atol`: the outputs' tol (export.limits: FUSED_FP32_TOL for fp32, the logits' tol for fp16), times `limits.scale`
     of the function bodies' outputs (reported as "limit" and "output_scale");
     None: reported, not enforced (int8 graphs: a float32 rounding difference in front of a dynamic quantization
     can move a value by a whole quantization step, 2.2e-3 on the digits model). `loose_atol` (the logits' limit
@@ -183,7 +177,7 @@ def compare_fused(
             got = bodies.run([*names, *probes], feed)
             for a, b in zip(outputs, got[: len(names)], strict=True):
                 worst = max(worst, float(np.abs(a.astype(np.float64) - b).max(initial=0.0)))
-            scale = max(scale, output_scale(got[: len(names)]))
+            scale = max(scale, limits.scale(got[: len(names)]))
             runs.append(constants | feed | dict(zip(probes, got[len(names) :], strict=True)))
     per_node = _node_differences(proto, nodes, runs)
     judged = limits.judged(worst, atol, scale)

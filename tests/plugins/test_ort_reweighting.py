@@ -17,7 +17,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.fused_check import FUSED_ATOL, compare_fused, fused_summary
+from export.fused_check import compare_fused, fused_summary
+from export.limits import FUSED_FP32_TOL as FUSED_ATOL
 from models import reweighting as rw
 from models.onnx_contract import REWEIGHTING_OPS
 from plugins import ort_ops
