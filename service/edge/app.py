@@ -23,8 +23,10 @@ from service.edge.handlers import install_handlers
 from service.edge.middleware import BodyLimit, ContainErrors, GraceExpiry, ServerTiming
 from service.engine.registry import load_models
 from service.engine.runtime import Runtimes
-from service.protocols import chat_api, classify, control, kserve, openai_api, responses_api, tokenize_api
+from service.protocols import chat_api, classify, control, kserve, openai_api, tokenize_api
 from service.protocols.endpoint import labelled_routes
+from service.protocols.responses import routes as responses_routes
+from service.protocols.responses.store import ResponseStore
 
 # What browser code may read of a cross-origin response (CORS hides every other header from it).
 EXPOSED_HEADERS = ("X-Request-Id", "Server-Timing", "Retry-After")
@@ -75,13 +77,13 @@ def create_app(settings: Settings | None = None, *, tracer_provider: Any = None,
     install_docs(app)
     app.include_router(openai_api.router)
     app.include_router(chat_api.router)
-    app.include_router(responses_api.router)
-    app.state.responses = responses_api.ResponseStore()  # /v1/responses' kept responses (store, previous_response_id)
+    app.include_router(responses_routes.router)
+    app.state.responses = ResponseStore()  # /v1/responses' kept responses (store, previous_response_id)
     app.include_router(tokenize_api.router)
     app.include_router(classify.router)
     app.include_router(kserve.router)
     app.include_router(control.router)
-    app.state.model_routes = labelled_routes(openai_api.router, chat_api.router, responses_api.router,
+    app.state.model_routes = labelled_routes(openai_api.router, chat_api.router, responses_routes.router,
                                              tokenize_api.router, classify.router, kserve.router)
 
     @app.get("/metrics", tags=["monitoring"], response_class=Response, summary="Prometheus metrics (text format)")

@@ -19,7 +19,7 @@ import pytest
 from benchmarks.server import in_thread
 from service.base.config import Settings
 from service.edge.app import create_app
-from service.protocols.responses_api import ResponseStore
+from service.protocols.responses.store import ResponseStore
 from tests.service.support import Steered
 
 openai = pytest.importorskip("openai")

@@ -32,7 +32,7 @@ def test_a_lone_surrogate_is_written_escaped() -> None:
 
 
 def test_a_responses_event_is_written_the_same_way() -> None:
-    from service.protocols.responses_api import _event
+    from service.protocols.responses.answer import sse_event as _event
 
     body = {"type": "response.output_text.delta", "delta": "é 日本\n", "output_index": 0}
     event = _event(body)
